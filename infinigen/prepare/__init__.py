@@ -1,0 +1,107 @@
+"""Offline preparation: calibration q/k -> per-layer skew matrices and kept channels -> artifact."""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from infinigen import __version__
+from infinigen.architectures import decoder_layers, fingerprint, model_spec
+from infinigen.artifacts.format import Artifact, Manifest
+from infinigen.errors import InfinigenError
+from infinigen.models import LoadedModel
+from infinigen.prepare.calibration import CalibrationSample, load_samples
+from infinigen.prepare.capture import capture_qk
+from infinigen.prepare.fold import partial_query_weight
+from infinigen.prepare.skew import HeadSkew, group_queries, skew_head
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def n_channels_for(ratio: float, head_dim: int) -> int:
+    if not 0 < ratio <= 1:
+        raise InfinigenError(f"--ratio must be in (0, 1], got {ratio}")
+    return max(1, math.ceil(ratio * head_dim))
+
+
+@torch.no_grad()
+def capture_calibration(loaded: LoadedModel, samples: list[CalibrationSample], progress: Progress | None = None):
+    """Per layer: (queries (heads, T_total, d), keys (kv_heads, T_total, d)), samples concatenated."""
+    model = loaded.model
+    device = next(model.parameters()).device
+    with capture_qk(model) as records:
+        for done, sample in enumerate(samples):
+            model(input_ids=sample.input_ids.to(device), use_cache=False)
+            if progress:
+                progress("calibration forward", done + 1, len(samples))
+    return {
+        layer: (torch.cat([q for q, _ in pairs], dim=1), torch.cat([k for _, k in pairs], dim=1))
+        for layer, pairs in records.items()
+    }
+
+
+def skew_layer(queries: torch.Tensor, keys: torch.Tensor, n_kv_heads: int, n_channels: int) -> list[HeadSkew]:
+    return [skew_head(group_q, keys[h], n_channels) for h, group_q in enumerate(group_queries(queries, n_kv_heads))]
+
+
+def prepare_artifact(
+    loaded: LoadedModel,
+    *,
+    ratio: float = 0.3,
+    tokens: int = 2048,
+    calibration: list[Path] | None = None,
+    progress: Progress | None = None,
+) -> Artifact:
+    """Run calibration text through the model and build its skew artifact (not yet written)."""
+    spec = model_spec(loaded.model.config)
+    n_channels = n_channels_for(ratio, spec.head_dim)
+    samples = load_samples(loaded.tokenizer, calibration, tokens=tokens)
+    captured = capture_calibration(loaded, samples, progress)
+    layers = decoder_layers(loaded.model)
+    tensors: dict[str, torch.Tensor] = {}
+    energy = []
+    for i in range(spec.n_layers):
+        heads = skew_layer(*captured.pop(i), spec.n_kv_heads, n_channels)
+        skew = torch.stack([h.skew_matrix for h in heads])
+        channels = torch.stack([h.channels for h in heads])
+        tensors[f"layers.{i}.skew_matrix"] = skew
+        tensors[f"layers.{i}.channels"] = channels
+        if not spec.rope:
+            attn = layers[i].self_attn
+            tensors[f"layers.{i}.partial_query_weight"] = partial_query_weight(
+                attn.q_proj, attn.scaling, skew, channels
+            )
+        energy.append(
+            {
+                "layer": i,
+                "before": round(sum(h.energy_before for h in heads) / len(heads), 6),
+                "after": round(sum(h.energy_after for h in heads) / len(heads), 6),
+            }
+        )
+        if progress:
+            progress("skew per layer", i + 1, spec.n_layers)
+    manifest = Manifest(
+        base_model={**asdict(loaded.source), "fingerprint": fingerprint(loaded.model)},
+        spec=asdict(spec),
+        ratio=ratio,
+        n_channels=n_channels,
+        calibration={
+            "sources": [{"name": s.name, "sha256": s.sha256, "tokens": s.tokens} for s in samples],
+            "tokens": sum(s.tokens for s in samples),
+        },
+        energy=energy,
+        versions=_versions(),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+    return Artifact(manifest, tensors)
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    return {"infinigen": __version__, "torch": torch.__version__, "transformers": transformers.__version__}

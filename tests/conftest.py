@@ -1,0 +1,86 @@
+"""Shared fixtures: a tiny offline tokenizer, tiny random models of every supported family, SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from infinigen.models import LoadedModel, ModelSource, load_model
+from infinigen.prepare.calibration import bundled_text
+
+ARCHITECTURES = ("opt", "llama", "mistral", "qwen2", "qwen3")
+VOCAB = 512
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer trained on the bundled calibration text: no Hub access needed."""
+    backend = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<pad>", "<s>"])
+    backend.train_from_iterator([bundled_text()], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>")
+
+
+def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A 3-layer random model of ``arch``; GQA (4 query heads, 2 KV heads) for the RoPE families."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        pad_token_id=1,
+    )
+    rope = dict(intermediate_size=128, num_key_value_heads=2)
+    if arch == "opt":
+        model = OPTForCausalLM(OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, enable_bias=True))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, **rope))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, **rope, sliding_window=None))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **rope))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, **rope, head_dim=16))
+    else:
+        raise ValueError(arch)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture
+def tiny(tokenizer):
+    def make(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
+        return LoadedModel(
+            tiny_model(arch, seed=seed, dtype=dtype), tokenizer, ModelSource(f"tiny-{arch}", None, "local")
+        )
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The real default model (SmolLM2-135M-Instruct, GGUF), loaded once per session in float32."""
+    return load_model(None, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(smollm2):
+    from infinigen.prepare import prepare_artifact
+
+    return prepare_artifact(smollm2, tokens=1024)

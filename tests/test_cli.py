@@ -1,0 +1,111 @@
+"""The command line, through typer's test runner."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_model
+from huggingface_hub import HfApi
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from infinigen import __version__
+from infinigen.artifacts import load_artifact
+from infinigen.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+@pytest.fixture
+def checkpoint(tmp_path, tokenizer):
+    def save(arch: str):
+        folder = tmp_path / f"tiny-{arch}"
+        tiny_model(arch).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
+
+    return save
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+def test_models_json():
+    listing = json.loads(invoke("models", "--json").stdout)
+    assert listing["aliases"]["opt-13b"] == "facebook/opt-13b" and "qwen3" in listing["architectures"]
+
+
+def test_prepare_opt_checkpoint_with_skewed_model(checkpoint, tmp_path):
+    folder = checkpoint("opt")
+    out = tmp_path / "skewed"
+    result = invoke("prepare", str(folder), "--out", str(out), "--tokens", "128", "--save-model", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["out"] == str(out) and summary["calibration_tokens"] == 128
+    assert load_artifact(out).manifest.spec["model_type"] == "opt"
+    # The skewed checkpoint is plain transformers and gives the original's logits.
+    original = AutoModelForCausalLM.from_pretrained(folder)
+    skewed = AutoModelForCausalLM.from_pretrained(out / "skewed-model")
+    ids = torch.randint(0, 512, (1, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(skewed(ids).logits, original(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_prepare_llama_checkpoint_and_inspect(checkpoint, tmp_path):
+    out = tmp_path / "skewed"
+    calibration = tmp_path / "text.txt"
+    calibration.write_text("the house was old and the street was narrow " * 40)
+    result = invoke(
+        "prepare", str(checkpoint("llama")), "--out", str(out), "--calibration", str(calibration), "--ratio", "0.5"
+    )
+    assert result.exit_code == 0, result.output
+    assert "score energy in the kept channels" in result.output
+    manifest = json.loads(invoke("inspect", str(out), "--json").stdout)
+    assert manifest["n_channels"] == 8 and manifest["calibration"]["sources"][0]["name"] == str(calibration)
+    table = invoke("inspect", str(out)).output
+    assert "energy after" in table and "llama (3 layers, 4 heads, 2 KV heads, head_dim 16)" in table
+
+
+def test_prepare_default_model(tmp_path):
+    """The README's main job: prepare on the embedded SmolLM2."""
+    out = tmp_path / "skewed"
+    result = invoke("prepare", "--out", str(out), "--tokens", "512", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["base_model"] == "smollm2-135m" and summary["energy_after"] > summary["energy_before"]
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in (out / "README.md").read_text()
+
+
+def test_errors_are_one_line(checkpoint, tmp_path):
+    out = tmp_path / "skewed"
+    assert invoke("prepare", str(checkpoint("qwen3")), "--out", str(out), "--tokens", "64").exit_code == 0
+    again = invoke("prepare", str(checkpoint("qwen3")), "--out", str(out))
+    assert again.exit_code == 2 and "already exists: pass --force" in again.output
+    (out / "skew.safetensors").write_bytes(b"\0" * 10)
+    broken = invoke("inspect", str(out))
+    assert broken.exit_code == 2 and "corrupted" in broken.output and "Traceback" not in broken.output
+    assert len(broken.output.strip().splitlines()) == 1
+    bad_ratio = invoke("prepare", str(checkpoint("qwen3")), "--out", str(tmp_path / "x"), "--ratio", "1.5")
+    assert bad_ratio.exit_code == 2 and "--ratio must be in (0, 1]" in bad_ratio.output
+    llama_save = invoke("prepare", str(checkpoint("llama")), "--out", str(tmp_path / "y"), "--save-model")
+    assert llama_save.exit_code == 2 and "OPT only" in llama_save.output
+
+
+def test_push(checkpoint, tmp_path, monkeypatch):
+    out = tmp_path / "skewed"
+    invoke("prepare", str(checkpoint("qwen2")), "--out", str(out), "--tokens", "64")
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: None)
+    monkeypatch.setattr(
+        HfApi, "upload_folder", lambda self, **kw: SimpleNamespace(commit_url=f"https://hf.co/{kw['repo_id']}/commit/1")
+    )
+    result = invoke("push", str(out), "--repo-id", "me/tiny")
+    assert result.exit_code == 0 and "https://hf.co/me/tiny/commit/1" in result.output

