@@ -1,4 +1,59 @@
 """Online runtime: KV cache in pinned CPU memory, one-layer-ahead speculation, selective prefetch.
 
 Reads artifacts (``infinigen.artifacts``); never imports ``infinigen.prepare``.
+
+    model, tokenizer = infinigen.load("smollm2-135m", artifact="skewed/")
+    cache = infinigen.cache_for(model, budget=0.2)
+    model.generate(**tokenizer(text, return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
 """
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from infinigen.artifacts import Artifact, open_artifact
+from infinigen.models import load_model
+from infinigen.runtime.cache import InfinigenCache
+from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.policies import POLICIES
+
+
+def load(
+    model: str | None = None,
+    *,
+    artifact: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load MODEL (alias, Hub id, folder, GGUF; default: embedded SmolLM2) and check its artifact.
+
+    The checked artifact is kept on the model (``model.infinigen_artifact``) for ``cache_for``.
+    """
+    loaded = load_model(model, device=device, dtype=dtype)
+    loaded.model.infinigen_artifact = open_artifact(artifact, loaded.model) if artifact is not None else None
+    return loaded.model, loaded.tokenizer
+
+
+def cache_for(
+    model: PreTrainedModel,
+    artifact: Artifact | str | Path | None = None,
+    **settings,
+) -> InfinigenCache:
+    """A fresh cache for one ``model.generate`` call. ``settings`` are ``RuntimeConfig`` fields
+    (policy, budget, alpha, min_tokens, dense_layers, cpu_pool_gb, eviction, block_tokens)."""
+    if isinstance(artifact, (str, Path)):
+        artifact = open_artifact(artifact, model)
+    artifact = artifact or getattr(model, "infinigen_artifact", None)
+    return InfinigenCache(model, RuntimeConfig(**settings), artifact)
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name ``model.forward`` / ``generate`` take a cache under: ``cache`` in newer transformers,
+    ``past_key_values`` before (5.17)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+__all__ = ["POLICIES", "InfinigenCache", "RuntimeConfig", "cache_argument", "cache_for", "load"]

@@ -1,0 +1,42 @@
+"""Run-time settings, checked once, frozen (like FlexGen's Policy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from infinigen.errors import InfinigenError
+
+EVICTIONS = ("counter", "fifo", "lru")
+DEFAULT_ALPHA = {"opt": 4.0}  # the paper's settings: 4 for OPT, 5 for Llama-2 (used for every RoPE family)
+ROPE_ALPHA = 5.0
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    policy: str = "infinigen"  # a name in infinigen.runtime.policies.POLICIES
+    budget: float = 0.2  # most tokens fetched per step and layer, as a fraction of the cached tokens
+    alpha: float | None = None  # speculation threshold: tokens above (max - alpha), in logits; None: paper's
+    # value for the family (OPT 4, Llama family 5)
+    min_tokens: int = 8  # fewest tokens fetched per step and layer (when that many are cached)
+    dense_layers: int = 2  # the first layers keep their whole KV on the GPU (as the paper)
+    cpu_pool_gb: float | None = None  # limit of the CPU KV pool; None: no limit
+    eviction: str = "counter"  # what a full pool overwrites: counter (paper) | fifo | lru
+    block_tokens: int = 1024  # the CPU pool grows by blocks of this many tokens
+
+    def __post_init__(self) -> None:
+        if not 0 < self.budget <= 1:
+            raise InfinigenError(f"budget must be in (0, 1], got {self.budget}")
+        if self.alpha is not None and self.alpha < 0:
+            raise InfinigenError(f"alpha must be non-negative, got {self.alpha}")
+        if self.dense_layers < 0 or self.min_tokens < 1 or self.block_tokens < 1:
+            raise InfinigenError("dense_layers must be >= 0, min_tokens and block_tokens >= 1")
+        if self.eviction not in EVICTIONS:
+            raise InfinigenError(f"eviction must be one of {', '.join(EVICTIONS)}, got {self.eviction!r}")
+        if self.cpu_pool_gb is not None and self.cpu_pool_gb <= 0:
+            raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
+
+    def for_model(self, model_type: str) -> RuntimeConfig:
+        """This config with ``alpha`` resolved for the model family."""
+        if self.alpha is not None:
+            return self
+        return replace(self, alpha=DEFAULT_ALPHA.get(model_type, ROPE_ALPHA))

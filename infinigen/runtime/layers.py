@@ -1,0 +1,253 @@
+"""Per-layer KV caches, plugged into transformers through its ``CacheLayerMixin`` interface.
+
+- ``DenseLayer``: K/V on the compute device in preallocated buffers, appended in place.
+- ``OffloadedLayer``: K/V in the CPU pool; on the compute device only what selection needs
+  (validity of each slot, the partial key cache, fetch counters) and the fetched rows of the
+  current step. A decode step attends over the fetched rows plus the current token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from infinigen.errors import InfinigenError
+from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.policies import Policy, Selection
+from infinigen.runtime.pool import KVPool
+from infinigen.runtime.speculation import LayerSpeculator
+from infinigen.runtime.stats import LayerStats
+
+
+def _grown(tensor: torch.Tensor, length: int, dim: int, fill=0) -> torch.Tensor:
+    """``tensor`` with dimension ``dim`` at least ``length`` (doubling), old contents kept."""
+    if tensor.shape[dim] >= length:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = max(length, 2 * shape[dim])
+    bigger = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+    bigger.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+    return bigger
+
+
+class DenseLayer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.keys, self.values = torch.empty_like(key_states), torch.empty_like(value_states)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[2]
+        self.keys, self.values = _grown(self.keys, end, 2), _grown(self.values, end, 2)
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+@dataclass
+class Fetched:
+    """The rows fetched for one decode step, plus a slot for the current token."""
+
+    rows: torch.Tensor  # (B, kv_heads, K + 1, 2, d)
+    valid: torch.Tensor  # (B, kv_heads, K + 1) bool
+    ready: torch.cuda.Event | None  # recorded on the transfer stream when ``rows`` is complete
+
+
+class OffloadedLayer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(
+        self,
+        index: int,
+        policy: Policy,
+        config: RuntimeConfig,
+        speculator: LayerSpeculator | None,
+        runtime,
+    ) -> None:
+        super().__init__()
+        self.index, self.policy, self.config, self.speculator = index, policy, config, speculator
+        self.runtime = runtime  # the InfinigenCache: shared stream, staging buffers, pool limit
+        self.max_tokens: int | None = None  # pool limit in tokens per (batch row, KV head); None: unlimited
+        self.length = 0  # tokens seen (positions)
+        self.used = 0  # slots in use (< length once the pool is full and evicts)
+        self.step = 0
+        self.fetched: Fetched | None = None
+        self.attention_valid: torch.Tensor | None = None  # (B, kv_heads, K + 1) for the current decode step
+        self.stats = LayerStats()
+
+    # --- transformers' layer interface -------------------------------------------------------
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        batch, kv_heads, _, head_dim = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.max_tokens = self.runtime.pool_limit(batch, self.dtype)
+        self.pool = KVPool(
+            batch,
+            kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            block_tokens=self.config.block_tokens,
+            max_tokens=self.max_tokens,
+        )
+        self.valid = torch.zeros(batch, kv_heads, 0, dtype=torch.bool, device=self.device)
+        self.inserted = torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=self.device)
+        self.last_fetch = torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=self.device)
+        self.fetch_count = torch.zeros(batch, kv_heads, 0, dtype=torch.int32, device=self.device)
+        if self.speculator is not None:
+            r = self.speculator.key_projection.shape[-1]
+            self.partial_keys = torch.zeros(batch, kv_heads, 0, r, dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[2] > 1 or self.length == 0:
+            return self._update_many(key_states, value_states)
+        return self._update_decode(key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # --- prefill -----------------------------------------------------------------------------
+
+    def _update_many(self, key_states, value_states):
+        """Prefill (or any multi-token step): store everything, attend densely over all of it."""
+        new = key_states.shape[2]
+        if self.used < self.length:
+            raise InfinigenError("multi-token steps after the CPU pool has evicted tokens are not supported")
+        past = self._fetch_all() if self.length else None
+        if self.max_tokens is not None and self.used + new > self.max_tokens:
+            raise InfinigenError(
+                f"the CPU KV pool holds {self.max_tokens} tokens per sequence per layer, too few for "
+                f"{self.used + new} prompt tokens: raise --cpu-pool-gb"
+            )
+        slots = range(self.used, self.used + new)
+        self._append_metadata(slots.start, slots.stop, key_states)
+        self.pool.write_range(slots.start, torch.stack([key_states, value_states], dim=3))
+        self.stats.written_rows += new * key_states.shape[0] * key_states.shape[1]
+        self.length += new
+        self.used += new
+        self.attention_valid = None
+        if past is None:
+            return key_states, value_states
+        rows = past.rows[:, :, :-1]
+        return torch.cat([rows[..., 0, :], key_states], dim=2), torch.cat([rows[..., 1, :], value_states], dim=2)
+
+    def _append_metadata(self, start: int, end: int, key_states) -> None:
+        self.valid = _grown(self.valid, end, 2, fill=False)
+        self.valid[:, :, start:end] = True  # padding is cleared by the attention function
+        self.inserted = _grown(self.inserted, end, 2)
+        self.inserted[:, :, start:end] = self.step
+        self.last_fetch = _grown(self.last_fetch, end, 2)
+        self.last_fetch[:, :, start:end] = self.step
+        self.fetch_count = _grown(self.fetch_count, end, 2)
+        self.fetch_count[:, :, start:end] = 0
+        if self.speculator is not None:
+            self.partial_keys = _grown(self.partial_keys, end, 2)
+            self.partial_keys[:, :, start:end] = self.speculator.partial_keys(key_states)
+
+    def mark_padding(self, token_valid: torch.Tensor) -> None:
+        """token_valid: (B, T) for the prompt tokens just stored (False at padding)."""
+        start = self.used - token_valid.shape[1]
+        self.valid[:, :, start : self.used] &= token_valid[:, None, :]
+
+    # --- decode ------------------------------------------------------------------------------
+
+    def prefetch(self, attention_input: torch.Tensor, rope) -> None:
+        """Select and start fetching the rows of the next decode step (called one layer ahead)."""
+        selection = self.policy.select(self, attention_input, rope)
+        self.fetched = self.runtime.fetch(self, selection)
+
+    def _fetch_all(self) -> Fetched:
+        return self.runtime.fetch(self, Selection())
+
+    def _update_decode(self, key_states, value_states):
+        fetched = self.fetched if self.fetched is not None else self._fetch_all()
+        self.fetched = None
+        self.runtime.wait(fetched)
+        rows, valid = fetched.rows, fetched.valid
+        rows[:, :, -1, 0] = key_states[:, :, 0]
+        rows[:, :, -1, 1] = value_states[:, :, 0]
+        valid[:, :, -1] = True
+        self._store_token(key_states, value_states)
+        self.attention_valid = valid
+        return rows[..., 0, :], rows[..., 1, :]
+
+    def _store_token(self, key_states, value_states) -> None:
+        self.step += 1
+        self.length += 1
+        new_rows = torch.stack([key_states, value_states], dim=3)  # (B, kv_heads, 1, 2, d)
+        if self.max_tokens is None or self.used < self.max_tokens:
+            self._append_metadata(self.used, self.used + 1, key_states)
+            self.pool.write_range(self.used, new_rows)
+            self.used += 1
+        else:
+            victims = self._victims()  # (B, kv_heads)
+            self.pool.write_slots(victims, new_rows)
+            self._overwrite_metadata(victims, key_states)
+            self.stats.evicted_tokens += victims.shape[0]  # one token per batch row
+        self.stats.written_rows += key_states.shape[0] * key_states.shape[1]
+
+    def _victims(self) -> torch.Tensor:
+        """Per (batch row, KV head), the slot a full pool overwrites."""
+        used = self.used
+        if self.config.eviction == "fifo":
+            return self.inserted[:, :, :used].argmin(dim=-1)
+        if self.config.eviction == "lru":
+            return self.last_fetch[:, :, :used].argmin(dim=-1)
+        older = self.inserted[:, :, :used].argsort(dim=-1)[:, :, : max(1, used // 2)]  # the older half
+        least_fetched = self.fetch_count[:, :, :used].gather(-1, older).argmin(dim=-1, keepdim=True)
+        return older.gather(-1, least_fetched)[..., 0]
+
+    def _overwrite_metadata(self, victims: torch.Tensor, key_states) -> None:
+        at = victims[..., None]
+        self.valid.scatter_(-1, at, True)
+        self.inserted.scatter_(-1, at, self.step)
+        self.last_fetch.scatter_(-1, at, self.step)
+        self.fetch_count.scatter_(-1, at, 0)
+        if self.speculator is not None:
+            partial = self.speculator.partial_keys(key_states)  # (B, kv_heads, 1, r)
+            self.partial_keys.scatter_(2, at[..., None].expand_as(partial), partial)
+
+    def record_fetch(self, indices: torch.Tensor, fetched_valid: torch.Tensor) -> None:
+        """Count fetches per slot (counter eviction) and note the step (LRU)."""
+        self.fetch_count.scatter_add_(-1, indices, fetched_valid.to(torch.int32))
+        recent = torch.where(fetched_valid, self.step, self.last_fetch.gather(-1, indices))
+        self.last_fetch.scatter_(-1, indices, recent)
+
+
+def pool_tokens(
+    cpu_pool_gb: float | None, n_offloaded: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int | None:
+    """Tokens per (batch row, KV head, layer) that a CPU pool of ``cpu_pool_gb`` holds."""
+    if cpu_pool_gb is None or n_offloaded == 0:
+        return None
+    row_bytes = 2 * head_dim * torch.finfo(dtype).bits // 8
+    return math.floor(cpu_pool_gb * 2**30 / (n_offloaded * batch * kv_heads * row_bytes))

@@ -1,0 +1,19 @@
+"""KV selection policies: one file each, one interface (``Policy``), one runtime path."""
+
+from infinigen.errors import InfinigenError
+from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.policies.base import Policy, Selection
+from infinigen.runtime.policies.dense import DensePolicy
+from infinigen.runtime.policies.full import FullPolicy
+from infinigen.runtime.policies.infinigen import InfinigenPolicy
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (DensePolicy, FullPolicy, InfinigenPolicy)}
+
+
+def make_policy(config: RuntimeConfig) -> Policy:
+    if config.policy not in POLICIES:
+        raise InfinigenError(f"unknown policy {config.policy!r}: choose one of {', '.join(POLICIES)}")
+    return POLICIES[config.policy](config)
+
+
+__all__ = ["POLICIES", "Policy", "Selection", "make_policy"]

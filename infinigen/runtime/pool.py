@@ -1,0 +1,82 @@
+"""The CPU KV pool of one offloaded layer.
+
+Layout: blocks of ``[batch, kv_heads, block_tokens, 2, head_dim]`` (pinned when CUDA is used), so
+one token's K and V of one KV head form one contiguous row of ``2 * head_dim`` elements (512 B at
+head_dim 128 in float16): the unit every fetch moves. The pool grows block by block; nothing is
+ever copied to grow it.
+
+Row moves between the pool and the compute device go through ``infinigen.runtime.transfer``:
+a zero-copy Triton kernel on CUDA (the GPU reads/writes pinned host memory directly), plain
+PyTorch indexing on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinigen.runtime import transfer
+
+
+class KVPool:
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        block_tokens: int,
+        max_tokens: int | None,
+    ) -> None:
+        self.shape = (batch, kv_heads, block_tokens, 2, head_dim)
+        self.dtype, self.device = dtype, device
+        self.block_tokens = block_tokens
+        self.max_tokens = max_tokens
+        self.blocks: list[torch.Tensor] = []
+        self.block_table = torch.empty(0, dtype=torch.int64, device=device)  # data_ptr of each block
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for block in self.blocks)
+
+    def reserve(self, n_tokens: int) -> None:
+        """Allocate blocks until ``n_tokens`` slots exist."""
+        added = False
+        while self.capacity < n_tokens:
+            pinned = self.device.type == "cuda"
+            self.blocks.append(torch.empty(self.shape, dtype=self.dtype, pin_memory=pinned))
+            added = True
+        if added:
+            table = [block.data_ptr() for block in self.blocks]
+            self.block_table = torch.tensor(table, dtype=torch.int64).to(self.device, non_blocking=False)
+
+    def write_range(self, start: int, rows: torch.Tensor) -> None:
+        """Store rows (batch, kv_heads, T, 2, d) at slots start .. start+T-1 of every (batch, head)."""
+        end = start + rows.shape[2]
+        self.reserve(end)
+        for index in range(start // self.block_tokens, (end - 1) // self.block_tokens + 1):
+            block_start = index * self.block_tokens
+            lo, hi = max(start, block_start), min(end, block_start + self.block_tokens)
+            self.blocks[index][:, :, lo - block_start : hi - block_start].copy_(
+                rows[:, :, lo - start : hi - start], non_blocking=True
+            )
+
+    def write_slots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""
+        transfer.scatter_rows(self, slots, rows)
+
+    def gather(self, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
+        """out[b, h, j] = row indices[b, h, j], for j < count (all j when count is None)."""
+        transfer.gather_rows(self, indices, count, out)
+
+    def read_all(self, n_tokens: int, out: torch.Tensor) -> None:
+        """out[:, :, :n_tokens] = slots 0 .. n_tokens-1 (bulk copies, one per block)."""
+        for index in range((n_tokens + self.block_tokens - 1) // self.block_tokens):
+            lo = index * self.block_tokens
+            hi = min(n_tokens, lo + self.block_tokens)
+            out[:, :, lo:hi].copy_(self.blocks[index][:, :, : hi - lo], non_blocking=True)

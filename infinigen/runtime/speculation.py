@@ -1,0 +1,62 @@
+"""InfiniGen's speculation: the partial query of layer i from layer i-1's attention input, scored
+against layer i's partial key cache.
+
+Partial keys: the artifact's kept channels of the skewed keys, ``k @ A[:, channels]`` per KV head
+(post-RoPE keys for the Llama family; OPT keys as they are). Partial queries:
+- OPT: ``[x, 1] @ W_partial.T``, W_partial the artifact's folded, scaled, skewed W_q rows;
+- RoPE models: the layer's own q projection (and q norm), RoPE at the current position, then
+  ``q @ (A[:, channels] / sqrt(d))``; the score is in logit units either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infinigen.architectures import ModelSpec
+from infinigen.artifacts import Artifact
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class LayerSpeculator(nn.Module):
+    """Partial query and key projections of one layer, on the compute device."""
+
+    def __init__(self, spec: ModelSpec, artifact: Artifact, layer: int, attention: nn.Module, device, dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        self.attention = attention  # the layer's attention module (RoPE models reuse its q projection)
+        skew, channels = artifact.skew_matrix(layer), artifact.channels(layer)  # (h, d, d), (h, r)
+        key_columns = torch.stack([skew[h][:, channels[h]] for h in range(spec.n_kv_heads)])  # (h, d, r)
+        self.register_buffer("key_projection", key_columns.to(device, dtype))
+        partial_query = artifact.partial_query_weight(layer)
+        if partial_query is None:
+            per_query_head = key_columns.repeat_interleave(spec.group_size, dim=0) * spec.head_dim**-0.5
+            self.register_buffer("query_projection", per_query_head.to(device, dtype))  # (heads, d, r)
+        else:
+            self.register_buffer("query_weight", partial_query[..., :-1].to(device, dtype))  # (heads, r, hidden)
+            self.register_buffer("query_bias", partial_query[..., -1].to(device, dtype))  # (heads, r)
+
+    def partial_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """(B, kv_heads, T, d) -> (B, kv_heads, T, r)."""
+        return torch.einsum("bhtd,hdr->bhtr", keys, self.key_projection)
+
+    def partial_query(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Attention input of the previous layer (B, hidden) -> (B, heads, r)."""
+        if not self.spec.rope:
+            return torch.einsum("bx,hrx->bhr", x, self.query_weight) + self.query_bias
+        q = self.attention.q_proj(x).view(x.shape[0], self.spec.n_heads, self.spec.head_dim)
+        if hasattr(self.attention, "q_norm"):
+            q = self.attention.q_norm(q)
+        cos, sin = (t[:, -1, None, :] for t in rope)  # (B or 1, 1, d)
+        q = q * cos + rotate_half(q) * sin
+        return torch.einsum("bhd,hdr->bhr", q, self.query_projection)
+
+    def scores(self, partial_query: torch.Tensor, partial_keys: torch.Tensor) -> torch.Tensor:
+        """(B, heads, r) x (B, kv_heads, T, r) -> (B, kv_heads, T): the best logit of each KV head's group."""
+        batch, kv_heads = partial_keys.shape[:2]
+        grouped = partial_query.view(batch, kv_heads, self.spec.group_size, -1)
+        return torch.einsum("bkgr,bktr->bkgt", grouped, partial_keys).amax(dim=2)

@@ -1,0 +1,131 @@
+"""Row moves between the CPU KV pool and the compute device.
+
+On CUDA with Triton, the GPU itself reads (gather) and writes (scatter) the selected rows of the
+pinned pool through unified addressing: no CPU-side index_select, no staging copy, no host sync;
+the number of rows to move can live on the GPU (``count``), so a data-dependent selection
+never round-trips to the host. Elsewhere the same operations run as PyTorch indexing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from infinigen.runtime.pool import KVPool
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+ROWS_PER_PROGRAM = 16
+
+
+def zero_copy_available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+def gather_rows(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out (B, H, K, 2, d) on the compute device <- pool rows indices (B, H, K)."""
+    if zero_copy_available(out.device):
+        _launch_gather(pool, indices, count, out)
+        return
+    batch, heads, k = indices.shape
+    cpu_indices = indices.cpu()
+    b = torch.arange(batch)[:, None, None].expand(batch, heads, k)
+    h = torch.arange(heads)[None, :, None].expand(batch, heads, k)
+    blocks, slots = cpu_indices // pool.block_tokens, cpu_indices % pool.block_tokens
+    rows = torch.empty(out.shape, dtype=out.dtype)
+    for index, block in enumerate(pool.blocks):
+        chosen = blocks == index
+        rows[chosen] = block[b[chosen], h[chosen], slots[chosen]]
+    out.copy_(rows)
+
+
+def scatter_rows(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool[b, h, slots[b, h]] <- rows (B, H, 1, 2, d)."""
+    if zero_copy_available(rows.device):
+        _launch_scatter(pool, slots, rows)
+        return
+    batch, heads = slots.shape
+    cpu_slots, cpu_rows = slots.cpu(), rows[:, :, 0].cpu()
+    b = torch.arange(batch)[:, None].expand(batch, heads)
+    h = torch.arange(heads)[None, :].expand(batch, heads)
+    blocks, offsets = cpu_slots // pool.block_tokens, cpu_slots % pool.block_tokens
+    for index, block in enumerate(pool.blocks):
+        chosen = blocks == index
+        block[b[chosen], h[chosen], offsets[chosen]] = cpu_rows[chosen]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_kernel(
+        table,
+        indices,
+        count,
+        out,
+        k,
+        kv_heads,
+        out_stride,
+        has_count: tl.constexpr,
+        block_tokens: tl.constexpr,
+        row: tl.constexpr,
+        row_pow2: tl.constexpr,
+        rows_per_program: tl.constexpr,
+    ):
+        bh = tl.program_id(0)  # flat (batch, kv_head)
+        j = tl.program_id(1) * rows_per_program + tl.arange(0, rows_per_program)
+        limit = tl.minimum(tl.load(count + bh // kv_heads), k) if has_count else k
+        live = j < limit
+        token = tl.load(indices + bh * k + j, mask=live, other=0)
+        base = tl.load(table + token // block_tokens, mask=live, other=0)
+        src = base.to(tl.pointer_type(out.dtype.element_ty)) + (bh * block_tokens + token % block_tokens) * row
+        col = tl.arange(0, row_pow2)
+        move = live[:, None] & (col < row)[None, :]
+        values = tl.load(src[:, None] + col[None, :], mask=move, other=0)
+        tl.store(out + bh * out_stride + j[:, None] * row + col[None, :], values, mask=move)
+
+    @triton.jit
+    def _scatter_kernel(table, slots, rows, block_tokens: tl.constexpr, row: tl.constexpr, row_pow2: tl.constexpr):
+        bh = tl.program_id(0)
+        slot = tl.load(slots + bh)
+        base = tl.load(table + slot // block_tokens)
+        dst = base.to(tl.pointer_type(rows.dtype.element_ty)) + (bh * block_tokens + slot % block_tokens) * row
+        col = tl.arange(0, row_pow2)
+        tl.store(dst + col, tl.load(rows + bh * row + col, mask=col < row), mask=col < row)
+
+
+def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
+    batch, heads, k = indices.shape
+    row = out.shape[-1] * 2
+    grid = (batch * heads, triton.cdiv(k, ROWS_PER_PROGRAM))
+    _gather_kernel[grid](
+        pool.block_table,
+        indices.contiguous(),
+        count if count is not None else indices,
+        out,
+        k,
+        heads,
+        out.stride(1),
+        has_count=count is not None,
+        block_tokens=pool.block_tokens,
+        row=row,
+        row_pow2=triton.next_power_of_2(row),
+        rows_per_program=ROWS_PER_PROGRAM,
+    )
+
+
+def _launch_scatter(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    batch, heads = slots.shape
+    _scatter_kernel[(batch * heads,)](
+        pool.block_table,
+        slots.contiguous(),
+        rows.contiguous(),
+        block_tokens=pool.block_tokens,
+        row=rows.shape[-1] * 2,
+        row_pow2=triton.next_power_of_2(rows.shape[-1] * 2),
+    )
