@@ -33,12 +33,26 @@ def _grown(tensor: torch.Tensor, length: int, dim: int, fill=0) -> torch.Tensor:
     return bigger
 
 
-class DenseLayer(CacheLayerMixin):
+class _Layer(CacheLayerMixin):
+    """What transformers asks of every layer: its length (tokens seen) and mask sizes."""
+
     is_sliding = False
 
     def __init__(self) -> None:
         super().__init__()
         self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class DenseLayer(_Layer):
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.keys, self.values = torch.empty_like(key_states), torch.empty_like(value_states)
@@ -54,15 +68,6 @@ class DenseLayer(CacheLayerMixin):
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
 
 @dataclass
 class Fetched:
@@ -73,9 +78,7 @@ class Fetched:
     ready: torch.cuda.Event | None  # recorded on the transfer stream when ``rows`` is complete
 
 
-class OffloadedLayer(CacheLayerMixin):
-    is_sliding = False
-
+class OffloadedLayer(_Layer):
     def __init__(
         self,
         index: int,
@@ -88,7 +91,6 @@ class OffloadedLayer(CacheLayerMixin):
         self.index, self.policy, self.config, self.speculator = index, policy, config, speculator
         self.runtime = runtime  # the InfinigenCache: shared stream, staging buffers, pool limit
         self.max_tokens: int | None = None  # pool limit in tokens per (batch row, KV head); None: unlimited
-        self.length = 0  # tokens seen (positions)
         self.used = 0  # slots in use (< length once the pool is full and evicts)
         self.step = 0
         self.fetched: Fetched | None = None
@@ -125,15 +127,6 @@ class OffloadedLayer(CacheLayerMixin):
         if key_states.shape[2] > 1 or self.length == 0:
             return self._update_many(key_states, value_states)
         return self._update_decode(key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     # --- prefill -----------------------------------------------------------------------------
 
