@@ -55,12 +55,16 @@ def prepare_artifact(
     ratio: float = 0.3,
     tokens: int = 2048,
     calibration: list[Path] | None = None,
+    samples: list[CalibrationSample] | None = None,
     progress: Progress | None = None,
 ) -> Artifact:
-    """Run calibration text through the model and build its skew artifact (not yet written)."""
+    """Run calibration text through the model and build its skew artifact (not yet written).
+
+    ``samples`` (already tokenized) replace the calibration texts, e.g. for random-weight models.
+    """
     spec = model_spec(loaded.model.config)
     n_channels = n_channels_for(ratio, spec.head_dim)
-    samples = load_samples(loaded.tokenizer, calibration, tokens=tokens)
+    samples = samples or load_samples(loaded.tokenizer, calibration, tokens=tokens)
     captured = capture_calibration(loaded, samples, progress)
     layers = decoder_layers(loaded.model)
     tensors: dict[str, torch.Tensor] = {}

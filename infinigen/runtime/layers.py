@@ -23,11 +23,14 @@ from infinigen.runtime.stats import LayerStats
 
 
 def _grown(tensor: torch.Tensor, length: int, dim: int, fill=0) -> torch.Tensor:
-    """``tensor`` with dimension ``dim`` at least ``length`` (doubling), old contents kept."""
+    """``tensor`` with dimension ``dim`` at least ``length``, old contents kept.
+
+    Grows by an eighth (at least 256): appends stay amortised O(1) without doubling a large cache.
+    """
     if tensor.shape[dim] >= length:
         return tensor
     shape = list(tensor.shape)
-    shape[dim] = max(length, 2 * shape[dim])
+    shape[dim] = max(length, shape[dim] + max(256, shape[dim] // 8))
     bigger = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
     bigger.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
     return bigger
@@ -53,7 +56,6 @@ class _Layer(CacheLayerMixin):
 
 
 class DenseLayer(_Layer):
-
     def lazy_initialization(self, key_states, value_states) -> None:
         self.keys, self.values = torch.empty_like(key_states), torch.empty_like(value_states)
         self.is_initialized = True
@@ -113,9 +115,10 @@ class OffloadedLayer(_Layer):
             max_tokens=self.max_tokens,
         )
         self.valid = torch.zeros(batch, kv_heads, 0, dtype=torch.bool, device=self.device)
-        self.inserted = torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=self.device)
-        self.last_fetch = torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=self.device)
-        self.fetch_count = torch.zeros(batch, kv_heads, 0, dtype=torch.int32, device=self.device)
+        if self.max_tokens is not None:  # eviction bookkeeping, only for a limited pool
+            self.inserted = torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=self.device)
+            self.last_fetch = torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=self.device)
+            self.fetch_count = torch.zeros(batch, kv_heads, 0, dtype=torch.int32, device=self.device)
         if self.speculator is not None:
             r = self.speculator.key_projection.shape[-1]
             self.partial_keys = torch.zeros(batch, kv_heads, 0, r, dtype=self.dtype, device=self.device)
@@ -156,12 +159,13 @@ class OffloadedLayer(_Layer):
     def _append_metadata(self, start: int, end: int, key_states) -> None:
         self.valid = _grown(self.valid, end, 2, fill=False)
         self.valid[:, :, start:end] = True  # padding is cleared by the attention function
-        self.inserted = _grown(self.inserted, end, 2)
-        self.inserted[:, :, start:end] = self.step
-        self.last_fetch = _grown(self.last_fetch, end, 2)
-        self.last_fetch[:, :, start:end] = self.step
-        self.fetch_count = _grown(self.fetch_count, end, 2)
-        self.fetch_count[:, :, start:end] = 0
+        if self.max_tokens is not None:
+            self.inserted = _grown(self.inserted, end, 2)
+            self.inserted[:, :, start:end] = self.step
+            self.last_fetch = _grown(self.last_fetch, end, 2)
+            self.last_fetch[:, :, start:end] = self.step
+            self.fetch_count = _grown(self.fetch_count, end, 2)
+            self.fetch_count[:, :, start:end] = 0
         if self.speculator is not None:
             self.partial_keys = _grown(self.partial_keys, end, 2)
             self.partial_keys[:, :, start:end] = self.speculator.partial_keys(key_states)
@@ -199,7 +203,9 @@ class OffloadedLayer(_Layer):
         new_rows = torch.stack([key_states, value_states], dim=3)  # (B, kv_heads, 1, 2, d)
         if self.max_tokens is None or self.used < self.max_tokens:
             self._append_metadata(self.used, self.used + 1, key_states)
-            self.pool.write_range(self.used, new_rows)
+            self.pool.reserve(self.used + 1)
+            slots = torch.full(key_states.shape[:2], self.used, dtype=torch.int64, device=self.device)
+            self.pool.write_slots(slots, new_rows)  # on CUDA: the GPU writes the pinned rows itself
             self.used += 1
         else:
             victims = self._victims()  # (B, kv_heads)

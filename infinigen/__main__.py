@@ -1,0 +1,3 @@
+from infinigen.cli import app
+
+app(prog_name="infinigen")

@@ -1,0 +1,178 @@
+"""Decode-throughput benchmark: every policy through the same runtime path, on one card, in one run.
+
+Random-weight models of known shapes are built directly on the device. Their attention is near
+uniform, so ``infinigen``'s token count then comes from the fixed budget (alpha = inf), as stated
+in the output. The pinned host->device bandwidth is measured in the same process, so every
+transfer rate can be read as a share of the PCIe limit.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from infinigen.artifacts import Artifact
+from infinigen.errors import InfinigenError
+from infinigen.runtime import cache_argument, cache_for
+
+SHAPES: dict[str, dict] = {
+    "opt-6.7b": dict(
+        model_type="opt",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        ffn_dim=16384,
+        word_embed_proj_dim=4096,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+    ),
+    "opt-13b": dict(
+        model_type="opt",
+        hidden_size=5120,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        ffn_dim=20480,
+        word_embed_proj_dim=5120,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+    ),
+    "llama-2-7b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
+    "tiny-llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    ),
+}
+HF_BASELINES = ("hf-dynamic", "hf-offloaded")  # transformers' own caches, for reference
+
+
+def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
+    if shape not in SHAPES:
+        raise InfinigenError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s of one large pinned host->device copy (median of ``repeats``)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    policy: str
+    batch: int
+    prompt_len: int
+    gen_len: int = 16
+    warmup: int = 3
+    budget: float = 0.2
+    alpha: float | None = math.inf  # random weights: the budget fixes the count
+
+
+def _make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase):
+    if case.policy == "hf-dynamic":
+        return DynamicCache(config=model.config)
+    if case.policy == "hf-offloaded":
+        return DynamicCache(config=model.config, offloading=True)
+    return cache_for(model, artifact, policy=case.policy, budget=case.budget, alpha=case.alpha)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase) -> dict:
+    device = next(model.parameters()).device
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    name = cache_argument(model)
+    cache = _make_cache(model, artifact, case)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (case.batch, case.prompt_len), generator=generator).to(device)
+    _sync(device)
+    start = time.perf_counter()
+    logits = model(ids, **{name: cache}, logits_to_keep=1).logits
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+    token = logits[:, -1:].argmax(-1)
+    step_times = []
+    for step in range(case.warmup + case.gen_len):
+        _sync(device)
+        start = time.perf_counter()
+        token = model(token, **{name: cache}, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        _sync(device)
+        if step >= case.warmup:
+            step_times.append(time.perf_counter() - start)
+    step_s = statistics.median(step_times)
+    result = {
+        "policy": case.policy,
+        "batch": case.batch,
+        "prompt_len": case.prompt_len,
+        "budget": case.budget if case.policy == "infinigen" else None,
+        "prefill_s": round(prefill_s, 3),
+        "ms_per_step": round(step_s * 1e3, 2),
+        "decode_tok_s": round(case.batch / step_s, 1),
+        "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None,
+    }
+    if case.policy not in HF_BASELINES:
+        stats = cache.summary()
+        steps = case.warmup + case.gen_len
+        per_step = stats["bytes_host_to_device"] / steps
+        result |= {
+            "fraction_fetched": stats["fraction_fetched"],
+            "h2d_mb_per_step": round(per_step / 1e6, 1),
+            "h2d_gb_s": round(per_step / step_s / 1e9, 1),
+            "wait_ms_per_step": round(stats["prefetch_wait_ms"] / steps, 2),
+            "cpu_pool_gb": round(stats["cpu_pool_bytes"] / 1e9, 2),
+        }
+    del cache
+    return result
