@@ -47,7 +47,9 @@ def test_models_json():
 def test_prepare_opt_checkpoint_with_skewed_model(checkpoint, tmp_path):
     folder = checkpoint("opt")
     out = tmp_path / "skewed"
-    result = invoke("prepare", str(folder), "--out", str(out), "--tokens", "128", "--save-model", "--json")
+    result = invoke(
+        "prepare", str(folder), "--out", str(out), "--tokens", "128", "--save-model", "--json", "--device", "cpu"
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["out"] == str(out) and summary["calibration_tokens"] == 128

@@ -8,6 +8,8 @@ never round-trips to the host. Elsewhere the same operations run as PyTorch inde
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +23,7 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch pat
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-ROWS_PER_PROGRAM = 16
+ROWS_PER_PROGRAM = int(os.environ.get("INFINIGEN_GATHER_ROWS", 16))  # rows per loop step
 
 
 def zero_copy_available(device: torch.device) -> bool:
@@ -71,23 +73,29 @@ if triton is not None:
         k,
         kv_heads,
         out_stride,
+        chunks_per_head,
+        n_chunks,
         has_count: tl.constexpr,
         block_tokens: tl.constexpr,
         row: tl.constexpr,
         row_pow2: tl.constexpr,
-        rows_per_program: tl.constexpr,
+        rows_per_chunk: tl.constexpr,
     ):
-        bh = tl.program_id(0)  # flat (batch, kv_head)
-        j = tl.program_id(1) * rows_per_program + tl.arange(0, rows_per_program)
-        limit = tl.minimum(tl.load(count + bh // kv_heads), k) if has_count else k
-        live = j < limit
-        token = tl.load(indices + bh * k + j, mask=live, other=0)
-        base = tl.load(table + token // block_tokens, mask=live, other=0)
-        src = base.to(tl.pointer_type(out.dtype.element_ty)) + (bh * block_tokens + token % block_tokens) * row
+        """Persistent: a few programs loop over all (batch*head, chunk of rows) pairs, so the gather
+        keeps enough PCIe reads in flight while leaving most SMs to the compute stream."""
         col = tl.arange(0, row_pow2)
-        move = live[:, None] & (col < row)[None, :]
-        values = tl.load(src[:, None] + col[None, :], mask=move, other=0)
-        tl.store(out + bh * out_stride + j[:, None] * row + col[None, :], values, mask=move)
+        for chunk in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
+            bh = chunk // chunks_per_head
+            j = (chunk % chunks_per_head) * rows_per_chunk + tl.arange(0, rows_per_chunk)
+            limit = tl.minimum(tl.load(count + bh // kv_heads), k) if has_count else k
+            live = j < limit
+            token = tl.load(indices + bh * k + j, mask=live, other=0)
+            base = tl.load(table + token // block_tokens, mask=live, other=0)
+            src = base.to(tl.pointer_type(out.dtype.element_ty)) + (bh * block_tokens + token % block_tokens) * row
+            in_row = (col < row)[None, :]
+            values = tl.load(src[:, None] + col[None, :], mask=live[:, None] & in_row, other=0)
+            # Rows past the count are written as zeros: never-initialised memory must not reach attention.
+            tl.store(out + bh * out_stride + j[:, None] * row + col[None, :], values, mask=(j < k)[:, None] & in_row)
 
     @triton.jit
     def _scatter_kernel(table, slots, rows, block_tokens: tl.constexpr, row: tl.constexpr, row_pow2: tl.constexpr):
@@ -99,11 +107,21 @@ if triton is not None:
         tl.store(dst + col, tl.load(rows + bh * row + col, mask=col < row), mask=col < row)
 
 
+@functools.cache
+def gather_programs(device: torch.device) -> int:
+    """Programs of the persistent gather: a quarter of the SMs, unless INFINIGEN_GATHER_PROGRAMS says."""
+    override = os.environ.get("INFINIGEN_GATHER_PROGRAMS")
+    if override:
+        return int(override)
+    return max(8, torch.cuda.get_device_properties(device).multi_processor_count // 4)
+
+
 def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
     batch, heads, k = indices.shape
     row = out.shape[-1] * 2
-    grid = (batch * heads, triton.cdiv(k, ROWS_PER_PROGRAM))
-    _gather_kernel[grid](
+    chunks_per_head = triton.cdiv(k, ROWS_PER_PROGRAM)
+    n_chunks = batch * heads * chunks_per_head
+    _gather_kernel[(min(n_chunks, gather_programs(out.device)),)](
         pool.block_table,
         indices.contiguous(),
         count if count is not None else indices,
@@ -111,11 +129,13 @@ def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | No
         k,
         heads,
         out.stride(1),
+        chunks_per_head,
+        n_chunks,
         has_count=count is not None,
         block_tokens=pool.block_tokens,
         row=row,
         row_pow2=triton.next_power_of_2(row),
-        rows_per_program=ROWS_PER_PROGRAM,
+        rows_per_chunk=ROWS_PER_PROGRAM,
     )
 
 
