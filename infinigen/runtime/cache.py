@@ -58,6 +58,7 @@ class InfinigenCache(Cache):
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.buffers: list[torch.Tensor] = [torch.empty(0, device=self.device)] * 2
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.slot_range = torch.arange(0, device=self.device)
         install(model)
 
     @property
@@ -91,34 +92,37 @@ class InfinigenCache(Cache):
         """Start moving the selected rows of ``layer`` into a staging buffer; return it with its validity."""
         batch, kv_heads = layer.valid.shape[:2]
         n, device = layer.used, self.device
-        indices = selection.indices
+        indices, count = selection.indices, selection.count
         if indices is None:
-            indices = torch.arange(n, device=device).expand(batch, kv_heads, n)
+            indices = self._all_slots(n).expand(batch, kv_heads, n)
         k = indices.shape[-1]
-        rows = self._buffer(layer.index % 2, (batch, kv_heads, k + 1, 2, self.spec.head_dim), layer.dtype)
+        rows = self._buffer(layer.index % 2, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
         valid = torch.empty(batch, kv_heads, k + 1, dtype=torch.bool, device=device)
         valid[:, :, :k] = layer.valid.gather(-1, indices)
-        if selection.count is not None:
-            valid[:, :, :k] &= torch.arange(k, device=device) < selection.count[:, None, None]
-        fetched = valid[:, :, :k].sum() if selection.count is not None else layer.valid[:, :, :n].sum()
-        layer.stats.fetched_rows.append(fetched)
-        layer.stats.fractions.append(fetched / layer.valid[:, :, :n].sum().clamp(min=1))
-        layer.stats.candidate_rows += n * batch * kv_heads
+        if count is not None:
+            valid[:, :, :k] &= self._all_slots(k) < count[:, None, None]
+        layer.stats.record(count if count is not None else n, n, batch, kv_heads)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         ready = None
         if self.stream is None:
-            layer.pool.gather(indices, selection.count, rows[:, :, :k])
+            layer.pool.gather(indices, count, rows[:, :, :, :k])
         else:
             self.stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.stream):
-                layer.pool.gather(indices, selection.count, rows[:, :, :k])
+                layer.pool.gather(indices, count, rows[:, :, :, :k])
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
-            for tensor in (indices, selection.count):
+            for tensor in (indices, count):
                 if tensor is not None:
                     tensor.record_stream(self.stream)
         return Fetched(rows, valid, ready)
+
+    def _all_slots(self, n: int) -> torch.Tensor:
+        """arange(n) on the device, cached."""
+        if self.slot_range.numel() < n:
+            self.slot_range = torch.arange(max(n, 2 * self.slot_range.numel()), device=self.device)
+        return self.slot_range[:n]
 
     def wait(self, fetched: Fetched) -> None:
         """Make the compute stream wait for a prefetch (timed with events when collecting stats)."""

@@ -75,7 +75,7 @@ class DenseLayer(_Layer):
 class Fetched:
     """The rows fetched for one decode step, plus a slot for the current token."""
 
-    rows: torch.Tensor  # (B, kv_heads, K + 1, 2, d)
+    rows: torch.Tensor  # (B, kv_heads, 2, K + 1, d): a K plane and a V plane per head
     valid: torch.Tensor  # (B, kv_heads, K + 1) bool
     ready: torch.cuda.Event | None  # recorded on the transfer stream when ``rows`` is complete
 
@@ -153,8 +153,8 @@ class OffloadedLayer(_Layer):
         self.attention_valid = None
         if past is None:
             return key_states, value_states
-        rows = past.rows[:, :, :-1]
-        return torch.cat([rows[..., 0, :], key_states], dim=2), torch.cat([rows[..., 1, :], value_states], dim=2)
+        rows = past.rows[:, :, :, :-1]
+        return torch.cat([rows[:, :, 0], key_states], dim=2), torch.cat([rows[:, :, 1], value_states], dim=2)
 
     def _append_metadata(self, start: int, end: int, key_states) -> None:
         self.valid = _grown(self.valid, end, 2, fill=False)
@@ -190,12 +190,12 @@ class OffloadedLayer(_Layer):
         self.fetched = None
         self.runtime.wait(fetched)
         rows, valid = fetched.rows, fetched.valid
-        rows[:, :, -1, 0] = key_states[:, :, 0]
-        rows[:, :, -1, 1] = value_states[:, :, 0]
+        rows[:, :, 0, -1] = key_states[:, :, 0]
+        rows[:, :, 1, -1] = value_states[:, :, 0]
         valid[:, :, -1] = True
         self._store_token(key_states, value_states)
         self.attention_valid = valid
-        return rows[..., 0, :], rows[..., 1, :]
+        return rows[:, :, 0], rows[:, :, 1]
 
     def _store_token(self, key_states, value_states) -> None:
         self.step += 1

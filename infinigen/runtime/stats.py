@@ -11,18 +11,27 @@ import torch
 class LayerStats:
     written_rows: int = 0  # (token, KV head, batch row) rows stored to the CPU pool
     evicted_tokens: int = 0  # tokens (summed over batch rows) overwritten in this layer's full pool
-    candidate_rows: int = 0  # rows cached when a fetch was decided (the denominator of "fraction fetched")
-    fetched_rows: list[torch.Tensor] = field(default_factory=list)  # per decode step, on the device
-    fractions: list[torch.Tensor] = field(default_factory=list)  # per decode step: fetched / cached
+    kv_heads: int = 0
+    moved: list[torch.Tensor | int] = field(default_factory=list)  # per step: rows per head moved, (B,) or int
+    cached: list[int] = field(default_factory=list)  # per step: slots cached per (batch row, head)
+
+    def record(self, moved: torch.Tensor | int, cached: int, batch: int, kv_heads: int) -> None:
+        """One fetch: ``moved`` rows per (batch row, head); no device work, no host sync."""
+        self.kv_heads = kv_heads
+        self.moved.append(moved if isinstance(moved, torch.Tensor) else torch.full((batch,), moved))
+        self.cached.append(cached)
+
+    def _moved(self) -> torch.Tensor:  # (steps, B), on the host
+        return torch.stack([m.cpu() for m in self.moved]).double()
 
     def fetched_total(self) -> int:
-        return int(torch.stack(self.fetched_rows).sum()) if self.fetched_rows else 0
+        return int(self._moved().sum()) * self.kv_heads if self.moved else 0
 
     def fraction_mean_p95(self) -> tuple[float, float]:
-        if not self.fractions:
+        if not self.moved:
             return 0.0, 0.0
-        values = torch.stack(self.fractions).float().cpu()
-        return float(values.mean()), float(values.quantile(0.95))
+        fractions = self._moved().mean(dim=1) / torch.tensor(self.cached, dtype=torch.float64)
+        return float(fractions.mean()), float(fractions.quantile(0.95))
 
 
 def summarize(layers, row_bytes: int, wait_ms: float, pool_bytes: int) -> dict:

@@ -31,7 +31,8 @@ def zero_copy_available(device: torch.device) -> bool:
 
 
 def gather_rows(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out (B, H, K, 2, d) on the compute device <- pool rows indices (B, H, K)."""
+    """out (B, H, 2, K, d) on the compute device <- pool rows indices (B, H, K): each pool row
+    (K and V of one token) is split into the K plane and the V plane of its head."""
     if zero_copy_available(out.device):
         _launch_gather(pool, indices, count, out)
         return
@@ -40,11 +41,11 @@ def gather_rows(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None,
     b = torch.arange(batch)[:, None, None].expand(batch, heads, k)
     h = torch.arange(heads)[None, :, None].expand(batch, heads, k)
     blocks, slots = cpu_indices // pool.block_tokens, cpu_indices % pool.block_tokens
-    rows = torch.empty(out.shape, dtype=out.dtype)
+    rows = torch.empty(batch, heads, k, 2, out.shape[-1], dtype=out.dtype)
     for index, block in enumerate(pool.blocks):
         chosen = blocks == index
         rows[chosen] = block[b[chosen], h[chosen], slots[chosen]]
-    out.copy_(rows)
+    out.copy_(rows.transpose(2, 3))
 
 
 def scatter_rows(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -72,18 +73,22 @@ if triton is not None:
         out,
         k,
         kv_heads,
-        out_stride,
+        head_stride,
+        plane_stride,
         chunks_per_head,
         n_chunks,
         has_count: tl.constexpr,
         block_tokens: tl.constexpr,
-        row: tl.constexpr,
+        head_dim: tl.constexpr,
         row_pow2: tl.constexpr,
         rows_per_chunk: tl.constexpr,
     ):
-        """Persistent: a few programs loop over all (batch*head, chunk of rows) pairs, so the gather
-        keeps enough PCIe reads in flight while leaving most SMs to the compute stream."""
+        """Persistent: a bounded number of programs loop over all (batch*head, chunk of rows) pairs, so
+        the gather keeps enough PCIe reads in flight while leaving SMs to the compute stream."""
+        row = 2 * head_dim
         col = tl.arange(0, row_pow2)
+        # column c of a pool row lands in plane c // d (K or V), at c % d
+        dst_col = (col // head_dim) * plane_stride + col % head_dim
         for chunk in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
             bh = chunk // chunks_per_head
             j = (chunk % chunks_per_head) * rows_per_chunk + tl.arange(0, rows_per_chunk)
@@ -95,7 +100,8 @@ if triton is not None:
             in_row = (col < row)[None, :]
             values = tl.load(src[:, None] + col[None, :], mask=live[:, None] & in_row, other=0)
             # Rows past the count are written as zeros: never-initialised memory must not reach attention.
-            tl.store(out + bh * out_stride + j[:, None] * row + col[None, :], values, mask=(j < k)[:, None] & in_row)
+            dst = out + bh * head_stride + j[:, None] * head_dim + dst_col[None, :]
+            tl.store(dst, values, mask=(j < k)[:, None] & in_row)
 
     @triton.jit
     def _scatter_kernel(table, slots, rows, block_tokens: tl.constexpr, row: tl.constexpr, row_pow2: tl.constexpr):
@@ -109,16 +115,18 @@ if triton is not None:
 
 @functools.cache
 def gather_programs(device: torch.device) -> int:
-    """Programs of the persistent gather: a quarter of the SMs, unless INFINIGEN_GATHER_PROGRAMS says."""
+    """Programs of the persistent gather: half the SMs (best of 1/8 .. all on an H200, 8 x 16K
+    Llama-3-8B shape), unless INFINIGEN_GATHER_PROGRAMS says."""
     override = os.environ.get("INFINIGEN_GATHER_PROGRAMS")
     if override:
         return int(override)
-    return max(8, torch.cuda.get_device_properties(device).multi_processor_count // 4)
+    return max(8, torch.cuda.get_device_properties(device).multi_processor_count // 2)
 
 
 def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
     batch, heads, k = indices.shape
-    row = out.shape[-1] * 2
+    head_dim = out.shape[-1]
+    row = 2 * head_dim
     chunks_per_head = triton.cdiv(k, ROWS_PER_PROGRAM)
     n_chunks = batch * heads * chunks_per_head
     _gather_kernel[(min(n_chunks, gather_programs(out.device)),)](
