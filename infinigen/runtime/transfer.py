@@ -137,11 +137,12 @@ def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | No
         k,
         heads,
         out.stride(1),
+        out.stride(2),
         chunks_per_head,
         n_chunks,
         has_count=count is not None,
         block_tokens=pool.block_tokens,
-        row=row,
+        head_dim=head_dim,
         row_pow2=triton.next_power_of_2(row),
         rows_per_chunk=ROWS_PER_PROGRAM,
     )
