@@ -312,3 +312,171 @@ def bench(
             str(row["peak_gpu_gb"]),
         )
     console.print(table)
+
+
+@command
+def generate(
+    model: ModelArg = None,
+    artifact: Annotated[
+        str | None, typer.Option(help="Artifact folder or Hub id (needed by --policy infinigen).")
+    ] = None,
+    prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file.")] = None,
+    batch_file: Annotated[Path | None, typer.Option(help="One prompt per line, decoded as one batch.")] = None,
+    chat: Annotated[bool, typer.Option(help="Wrap prompts in the tokenizer's chat template.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    policy: Annotated[str, typer.Option(help="infinigen | full | dense.")] = "infinigen",
+    budget: Annotated[float, typer.Option(help="Most of the cached tokens fetched per step and layer.")] = 0.2,
+    alpha: Annotated[
+        float | None, typer.Option(help="Speculation threshold in logits (default: 4 for OPT, 5 for the Llama family).")
+    ] = None,
+    cpu_pool_gb: Annotated[float | None, typer.Option(help="Limit of the CPU KV pool (evicts when full).")] = None,
+    eviction: Annotated[str, typer.Option(help="counter | fifo | lru.")] = "counter",
+    dtype: Annotated[str | None, typer.Option(help="float32 | float16 | bfloat16.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda[:N] (default: cuda if present).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate text with the KV cache in CPU memory, streaming tokens, then print the run's stats.
+
+    Examples:\n
+      infinigen generate --artifact skewed/ --prompt "The old house on the corner"\n
+      infinigen generate opt-6.7b --artifact me/opt67-infinigen --prompt-file long.txt --budget 0.1\n
+      infinigen generate --artifact skewed/ --batch-file prompts.txt --policy full --json
+    """
+    import torch
+
+    from infinigen.artifacts import open_artifact
+    from infinigen.models import load_model
+    from infinigen.runtime import RuntimeConfig, cache_argument, cache_for
+
+    prompts = _prompts(prompt, prompt_file, batch_file)
+    config = RuntimeConfig(policy=policy, budget=budget, alpha=alpha, cpu_pool_gb=cpu_pool_gb, eviction=eviction)
+    if device is None and not torch.cuda.is_available():
+        err_console.print("no CUDA device: running on the CPU (slowly)")
+    loaded = load_model(model, device=device, dtype=dtype)
+    checked = open_artifact(artifact, loaded.model) if artifact is not None else None
+    tokenizer = loaded.tokenizer
+    if chat:
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(loaded.model.device)
+    prompt_len = inputs["input_ids"].shape[1]
+    limit = loaded.model.config.max_position_embeddings
+    if prompt_len + max_new_tokens > limit:
+        raise InfinigenError(
+            f"prompt ({prompt_len} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the "
+            f"model's context of {limit} tokens"
+        )
+    cache = cache_for(loaded.model, checked, **{k: v for k, v in vars(config).items()})
+    pool_tokens = cache.pool_limit(len(prompts), loaded.model.dtype)
+    if pool_tokens is not None and pool_tokens < prompt_len:
+        raise InfinigenError(
+            f"--cpu-pool-gb {cpu_pool_gb} holds {pool_tokens} tokens per sequence and layer, "
+            f"fewer than the {prompt_len}-token prompt"
+        )
+    timer = _TokenTimer(tokenizer, stream=len(prompts) == 1 and not as_json)
+    if torch.cuda.is_available() and loaded.model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(loaded.model.device)
+    with torch.no_grad():
+        output = loaded.model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            streamer=timer,
+            pad_token_id=tokenizer.pad_token_id,
+            **{cache_argument(loaded.model): cache},
+        )
+    texts = tokenizer.batch_decode(output[:, prompt_len:], skip_special_tokens=True)
+    stats = _generate_stats(cache, timer, len(prompts), prompt_len, output.shape[1] - prompt_len, loaded.model)
+    if as_json:
+        print(json.dumps({"outputs": texts, "stats": stats}, indent=2))
+        return
+    if len(prompts) > 1:
+        for i, text in enumerate(texts):
+            console.print(f"[bold]\\[{i}][/] {text}", highlight=False)
+    console.print()
+    table = Table(show_header=False, title=f"{policy} on {loaded.model.device}")
+    for key, value in stats.items():
+        if key != "per_layer":
+            shown = _human_bytes(value) if "bytes" in key else str(value)
+            table.add_row(key.replace("_", " "), shown)
+    console.print(table)
+
+
+def _human_bytes(value: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} B"
+
+
+def _prompts(prompt: str | None, prompt_file: Path | None, batch_file: Path | None) -> list[str]:
+    given = [x for x in (prompt, prompt_file, batch_file) if x is not None]
+    if len(given) != 1:
+        raise InfinigenError("give exactly one of --prompt, --prompt-file, --batch-file")
+    if prompt is not None:
+        return [prompt]
+    try:
+        text = (prompt_file or batch_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InfinigenError(f"cannot read {prompt_file or batch_file}: {exc}") from exc
+    prompts = [text] if prompt_file else [line for line in text.splitlines() if line.strip()]
+    if not prompts or not all(p.strip() for p in prompts):
+        raise InfinigenError("the prompt is empty")
+    return prompts
+
+
+class _TokenTimer:
+    """A generate() streamer: times the first token (end of prefill) and the last; optionally prints."""
+
+    def __init__(self, tokenizer, stream: bool) -> None:
+        from transformers import TextStreamer
+
+        self.printer = TextStreamer(tokenizer, skip_prompt=True) if stream else None
+        self.start = time.perf_counter()
+        self.first = self.last = None
+        self.calls = 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first call carries the prompt
+            self.first = time.perf_counter()
+        self.last = time.perf_counter()
+        if self.printer is not None:
+            self.printer.put(value)
+
+    def end(self) -> None:
+        if self.printer is not None:
+            self.printer.end()
+
+
+def _generate_stats(cache, timer: _TokenTimer, batch: int, prompt_len: int, new_tokens: int, model) -> dict:
+    import torch
+
+    prefill_s = (timer.first or timer.last) - timer.start
+    decode_s = (timer.last - timer.first) if timer.first else 0.0
+    summary = cache.summary()
+    gb = 1e9
+    return {
+        "batch": batch,
+        "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens,
+        "prefill_tok_s": round(batch * prompt_len / prefill_s, 1) if prefill_s > 0 else None,
+        "decode_tok_s": round(batch * (new_tokens - 1) / decode_s, 1) if decode_s > 0 else None,
+        "fraction_fetched": summary["fraction_fetched"],
+        "fraction_fetched_p95": max((v["fraction_p95"] for v in summary["per_layer"].values()), default=0.0),
+        "bytes_host_to_device": summary["bytes_host_to_device"],
+        "bytes_device_to_host": summary["bytes_device_to_host"],
+        "prefetch_wait_ms": summary["prefetch_wait_ms"],
+        "cpu_pool_bytes": summary["cpu_pool_bytes"],
+        "evicted_tokens": summary["evicted_tokens"],
+        "peak_gpu_gb": round(torch.cuda.max_memory_allocated(model.device) / gb, 3)
+        if model.device.type == "cuda"
+        else None,
+        "per_layer": summary["per_layer"],
+    }

@@ -77,14 +77,67 @@ def test_prepare_llama_checkpoint_and_inspect(checkpoint, tmp_path):
     assert "energy after" in table and "llama (3 layers, 4 heads, 2 KV heads, head_dim 16)" in table
 
 
-def test_prepare_default_model(tmp_path):
-    """The README's main job: prepare on the embedded SmolLM2."""
+def test_main_job_default_model(tmp_path):
+    """The README's main job: prepare, then generate, on the embedded SmolLM2."""
     out = tmp_path / "skewed"
-    result = invoke("prepare", "--out", str(out), "--tokens", "512", "--json")
+    result = invoke("prepare", "--out", str(out), "--tokens", "512", "--json", "--device", "cpu")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["base_model"] == "smollm2-135m" and summary["energy_after"] > summary["energy_before"]
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in (out / "README.md").read_text()
+    prompt = "The old house on the corner of the street had stood there for a hundred years, and it was"
+    result = invoke("generate", "--artifact", str(out), "--prompt", prompt, "--max-new-tokens", "12", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "decode tok s" in result.stdout and "fraction fetched" in result.stdout
+
+
+def test_generate_batch_json(checkpoint, tmp_path):
+    folder = checkpoint("llama")
+    out = tmp_path / "skewed"
+    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the house was old\nand the street was narrow and the walls were\n")
+    result = invoke(
+        "generate",
+        str(folder),
+        "--artifact",
+        str(out),
+        "--batch-file",
+        str(prompts),
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--device",
+        "cpu",
+        "--budget",
+        "0.5",
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert len(report["outputs"]) == 2 and report["stats"]["batch"] == 2
+    assert report["stats"]["new_tokens"] == 6 and 0 < report["stats"]["fraction_fetched"] <= 1
+    assert report["stats"]["bytes_host_to_device"] > 0 and set(report["stats"]["per_layer"]) == {"2"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--budget", "0"], "budget must be in (0, 1]"),
+        (["--alpha", "-1"], "alpha must be non-negative"),
+        (["--max-new-tokens", "600"], "exceeds the model's context of 512 tokens"),
+        (["--cpu-pool-gb", "1e-9"], "fewer than the"),
+        (["--policy", "infinigen", "--no-artifact"], "needs an artifact"),
+    ],
+)
+def test_generate_bad_input(checkpoint, tmp_path, extra, message):
+    folder = checkpoint("qwen3")
+    out = tmp_path / "skewed"
+    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+    artifact = [] if "--no-artifact" in extra else ["--artifact", str(out)]
+    extra = [x for x in extra if x != "--no-artifact"]
+    result = invoke("generate", str(folder), *artifact, "--prompt", "the house", "--device", "cpu", *extra)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 def test_errors_are_one_line(checkpoint, tmp_path):
