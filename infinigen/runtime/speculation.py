@@ -22,6 +22,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def rotate_and_project(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, projection: torch.Tensor):
+    """RoPE at the current position, then the skewed, scaled channel projection.
+    q (B, heads, d); cos/sin (B or 1, 1, d); projection (heads, d, r) -> (B, heads, r)."""
+    return torch.einsum("bhd,hdr->bhr", q * cos + rotate_half(q) * sin, projection)
+
+
 class LayerSpeculator(nn.Module):
     """Partial query and key projections of one layer, on the compute device."""
 
@@ -42,7 +48,7 @@ class LayerSpeculator(nn.Module):
 
     def partial_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """(B, kv_heads, T, d) -> (B, kv_heads, T, r)."""
-        return torch.einsum("bhtd,hdr->bhtr", keys, self.key_projection)
+        return torch.matmul(keys, self.key_projection)  # broadcast over B: one batched GEMM
 
     def partial_query(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Attention input of the previous layer (B, hidden) -> (B, heads, r)."""
@@ -51,12 +57,5 @@ class LayerSpeculator(nn.Module):
         q = self.attention.q_proj(x).view(x.shape[0], self.spec.n_heads, self.spec.head_dim)
         if hasattr(self.attention, "q_norm"):
             q = self.attention.q_norm(q)
-        cos, sin = (t[:, -1, None, :] for t in rope)  # (B or 1, 1, d)
-        q = q * cos + rotate_half(q) * sin
-        return torch.einsum("bhd,hdr->bhr", q, self.query_projection)
-
-    def scores(self, partial_query: torch.Tensor, partial_keys: torch.Tensor) -> torch.Tensor:
-        """(B, heads, r) x (B, kv_heads, T, r) -> (B, kv_heads, T): the best logit of each KV head's group."""
-        batch, kv_heads = partial_keys.shape[:2]
-        grouped = partial_query.view(batch, kv_heads, self.spec.group_size, -1)
-        return torch.einsum("bkgr,bktr->bkgt", grouped, partial_keys).amax(dim=2)
+        cos, sin = rope  # (B or 1, q_len, d)
+        return rotate_and_project(q, cos[:, -1, None, :], sin[:, -1, None, :], self.query_projection)
