@@ -143,6 +143,9 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
     logits = model(ids, **{name: cache}, logits_to_keep=1).logits
     _sync(device)
     prefill_s = time.perf_counter() - start
+    prefill_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     token = logits[:, -1:].argmax(-1)
     step_times = []
     for step in range(case.warmup + case.gen_len):
@@ -161,7 +164,10 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
         "prefill_s": round(prefill_s, 3),
         "ms_per_step": round(step_s * 1e3, 2),
         "decode_tok_s": round(case.batch / step_s, 1),
-        "peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None,
+        "prefill_peak_gpu_gb": round(prefill_peak / 1e9, 2) if device.type == "cuda" else None,
+        "decode_peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+        if device.type == "cuda"
+        else None,
     }
     if case.policy not in HF_BASELINES:
         stats = cache.summary()

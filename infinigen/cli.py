@@ -247,7 +247,9 @@ def bench(
     batch: Annotated[int, typer.Option(help="Batch size.")] = 8,
     prompt_len: Annotated[int, typer.Option(help="Context length before decoding.")] = 16384,
     gen_len: Annotated[int, typer.Option(help="Timed decode steps (after 3 warm-up steps).")] = 16,
-    budget: Annotated[float, typer.Option(help="infinigen: fraction of the context fetched per step.")] = 0.2,
+    budgets: Annotated[
+        str, typer.Option(help="infinigen: comma-separated fractions of the context fetched per step; one row each.")
+    ] = "0.2",
     dtype: Annotated[str, typer.Option(help="Model dtype.")] = "bfloat16",
     device: Annotated[str | None, typer.Option(help="cpu | cuda[:N] (default: cuda if present).")] = None,
     as_json: JsonOpt = False,
@@ -274,13 +276,26 @@ def bench(
         samples=[CalibrationSample("random tokens", "", calibration)],
     )
     bandwidth = pinned_bandwidth(device)
+    cases = [
+        BenchCase(policy, batch, prompt_len, gen_len, budget=float(budget))
+        for policy in (p.strip() for p in policies.split(","))
+        for budget in (budgets.split(",") if policy == "infinigen" else ["1"])
+    ]
     rows = []
-    for policy in policies.split(","):
-        rows.append(run_case(model, artifact, BenchCase(policy.strip(), batch, prompt_len, gen_len, budget=budget)))
+    for case in cases:
+        rows.append(run_case(model, artifact, case))
         if not as_json:
-            console.print(rows[-1])
+            err_console.print(rows[-1])
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    report = {"shape": shape, "dtype": dtype, "device": card, "pinned_h2d_gb_s": round(bandwidth, 1), "results": rows}
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    report = {
+        "shape": shape,
+        "dtype": dtype,
+        "device": card,
+        "pinned_h2d_gb_s": round(bandwidth, 1),
+        "weights_gb": round(weights_gb, 2),
+        "results": rows,
+    }
     if as_json:
         print(json.dumps(report, indent=2))
         return
@@ -309,7 +324,7 @@ def bench(
             f"{share:.0f}%" if "h2d_gb_s" in row else "",
             str(row.get("wait_ms_per_step", "")),
             str(row["prefill_s"]),
-            str(row["peak_gpu_gb"]),
+            str(row["decode_peak_gpu_gb"]),
         )
     console.print(table)
 
