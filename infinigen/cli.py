@@ -310,7 +310,8 @@ def bench(
         "wait ms/step",
         "prefill s",
         "peak GPU GB",
-        title=f"{shape} {dtype}, batch {batch}, context {prompt_len}, on {card} (pinned H2D {bandwidth:.1f} GB/s)",
+        title=f"{shape} {dtype}, batch {batch}, context {prompt_len}, on {card}"
+        + (f" (pinned H2D {bandwidth:.1f} GB/s)" if bandwidth == bandwidth else ""),
     )
     for row in rows:
         share = row.get("h2d_gb_s", 0) / bandwidth * 100 if bandwidth == bandwidth else float("nan")
@@ -321,7 +322,7 @@ def bench(
             str(row.get("fraction_fetched", "")),
             str(row.get("h2d_mb_per_step", "")),
             str(row.get("h2d_gb_s", "")),
-            f"{share:.0f}%" if "h2d_gb_s" in row else "",
+            f"{share:.0f}%" if "h2d_gb_s" in row and share == share else "",
             str(row.get("wait_ms_per_step", "")),
             str(row["prefill_s"]),
             str(row["decode_peak_gpu_gb"]),
