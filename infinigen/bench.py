@@ -182,3 +182,49 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
         }
     del cache
     return result
+
+
+@torch.no_grad()
+def breakdown(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase) -> dict:
+    """Where an offloaded decode step's time goes: the step as is, the same step with the row moves
+    skipped (compute only), and one step's row moves replayed back to back (transfer only)."""
+    device = next(model.parameters()).device
+    name = cache_argument(model)
+    cache = _make_cache(model, artifact, case)
+    ids = torch.randint(
+        0, model.config.vocab_size, (case.batch, case.prompt_len), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    token = model(ids, **{name: cache}, logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+    def step_ms() -> float:
+        nonlocal token
+        times = []
+        for i in range(case.warmup + case.gen_len):
+            _sync(device)
+            start = time.perf_counter()
+            token = model(token, **{name: cache}, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            _sync(device)
+            if i >= case.warmup:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    full_step = step_ms()
+    cache.move_rows = False
+    compute_only = step_ms()
+    cache.move_rows, cache.kept_gathers = True, []
+    model(token, **{name: cache}, logits_to_keep=1)
+    gathers, cache.kept_gathers = cache.kept_gathers, None
+    _sync(device)
+    start = time.perf_counter()
+    for pool, indices, count, out in gathers:
+        pool.gather(indices, count, out)
+    _sync(device)
+    transfer_only = (time.perf_counter() - start) * 1e3
+    return {
+        "policy": case.policy,
+        "budget": case.budget,
+        "step_ms": round(full_step, 2),
+        "compute_only_ms": round(compute_only, 2),
+        "transfer_only_ms": round(transfer_only, 2),
+        "step_over_max": round(full_step / max(compute_only, transfer_only), 3),
+    }

@@ -252,6 +252,9 @@ def bench(
     ] = "0.2",
     dtype: Annotated[str, typer.Option(help="Model dtype.")] = "bfloat16",
     device: Annotated[str | None, typer.Option(help="cpu | cuda[:N] (default: cuda if present).")] = None,
+    breakdown: Annotated[
+        bool, typer.Option(help="Also split each offloaded policy's step into compute-only and transfer-only time.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Decode throughput of each policy on one random-weight model, in one run, with the pinned
@@ -264,6 +267,7 @@ def bench(
     import torch
 
     from infinigen.bench import BenchCase, pinned_bandwidth, random_model, run_case
+    from infinigen.bench import breakdown as split_step
     from infinigen.models import LoadedModel, ModelSource, parse_dtype, resolve_device
     from infinigen.prepare import prepare_artifact
     from infinigen.prepare.calibration import CalibrationSample
@@ -287,6 +291,7 @@ def bench(
         if not as_json:
             err_console.print(rows[-1])
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    splits = [split_step(model, artifact, case) for case in cases if breakdown and case.policy in ("full", "infinigen")]
     weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     report = {
         "shape": shape,
@@ -328,6 +333,24 @@ def bench(
             str(row["decode_peak_gpu_gb"]),
         )
     console.print(table)
+    if splits:
+        split_table = Table(
+            "policy",
+            "budget",
+            "step ms",
+            "compute-only ms",
+            "transfer-only ms",
+            "step / max",
+            title="where the step goes",
+        )
+        for row in splits:
+            split_table.add_row(
+                *(
+                    str(row[k])
+                    for k in ("policy", "budget", "step_ms", "compute_only_ms", "transfer_only_ms", "step_over_max")
+                )
+            )
+        console.print(split_table)
 
 
 @command

@@ -59,6 +59,10 @@ class InfinigenCache(Cache):
         self.buffers: list[torch.Tensor] = [torch.empty(0, device=self.device)] * 2
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.slot_range = torch.arange(0, device=self.device)
+        # Diagnostics for `infinigen bench --breakdown`: skip the row moves (compute only), or keep
+        # each step's gathers to replay them alone (transfer only).
+        self.move_rows = True
+        self.kept_gathers: list[tuple] | None = None
         install(model)
 
     @property
@@ -105,7 +109,11 @@ class InfinigenCache(Cache):
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         ready = None
-        if self.stream is None:
+        if self.kept_gathers is not None:
+            self.kept_gathers.append((layer.pool, indices, count, rows[:, :, :, :k]))
+        if not self.move_rows:
+            pass
+        elif self.stream is None:
             layer.pool.gather(indices, count, rows[:, :, :, :k])
         else:
             self.stream.wait_stream(torch.cuda.current_stream(device))
