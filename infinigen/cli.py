@@ -300,6 +300,7 @@ def bench(
         "pinned_h2d_gb_s": round(bandwidth, 1),
         "weights_gb": round(weights_gb, 2),
         "results": rows,
+        "breakdown": splits,
     }
     if as_json:
         print(json.dumps(report, indent=2))
