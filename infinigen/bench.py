@@ -127,6 +127,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Decoder:
+    """Drives one cache through a prefill and timed greedy decode steps."""
+
+    def __init__(self, model: PreTrainedModel, cache, case: BenchCase) -> None:
+        self.model, self.cache, self.case = model, cache, case
+        self.device = next(model.parameters()).device
+        self.name = cache_argument(model)
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        shape = (case.batch, case.prompt_len)
+        self.ids = torch.randint(0, model.config.vocab_size, shape, generator=generator).to(self.device)
+        self.token = self.ids[:, -1:]
+
+    def forward(self, ids: torch.Tensor) -> None:
+        logits = self.model(ids, **{self.name: self.cache}, logits_to_keep=1).logits
+        self.token = logits[:, -1:].argmax(-1)
+
+    def prefill_seconds(self) -> float:
+        _sync(self.device)
+        start = time.perf_counter()
+        self.forward(self.ids)
+        _sync(self.device)
+        return time.perf_counter() - start
+
+    def step_seconds(self) -> float:
+        """Median wall time of ``gen_len`` decode steps after ``warmup`` steps."""
+        times = []
+        for step in range(self.case.warmup + self.case.gen_len):
+            _sync(self.device)
+            start = time.perf_counter()
+            self.forward(self.token)
+            _sync(self.device)
+            if step >= self.case.warmup:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
 @torch.no_grad()
 def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase) -> dict:
     device = next(model.parameters()).device
@@ -134,28 +170,13 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    name = cache_argument(model)
     cache = _make_cache(model, artifact, case)
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (case.batch, case.prompt_len), generator=generator).to(device)
-    _sync(device)
-    start = time.perf_counter()
-    logits = model(ids, **{name: cache}, logits_to_keep=1).logits
-    _sync(device)
-    prefill_s = time.perf_counter() - start
+    decoder = _Decoder(model, cache, case)
+    prefill_s = decoder.prefill_seconds()
     prefill_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    token = logits[:, -1:].argmax(-1)
-    step_times = []
-    for step in range(case.warmup + case.gen_len):
-        _sync(device)
-        start = time.perf_counter()
-        token = model(token, **{name: cache}, logits_to_keep=1).logits[:, -1:].argmax(-1)
-        _sync(device)
-        if step >= case.warmup:
-            step_times.append(time.perf_counter() - start)
-    step_s = statistics.median(step_times)
+    step_s = decoder.step_seconds()
     result = {
         "policy": case.policy,
         "batch": case.batch,
@@ -189,30 +210,14 @@ def breakdown(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase
     """Where an offloaded decode step's time goes: the step as is, the same step with the row moves
     skipped (compute only), and one step's row moves replayed back to back (transfer only)."""
     device = next(model.parameters()).device
-    name = cache_argument(model)
     cache = _make_cache(model, artifact, case)
-    ids = torch.randint(
-        0, model.config.vocab_size, (case.batch, case.prompt_len), generator=torch.Generator().manual_seed(0)
-    ).to(device)
-    token = model(ids, **{name: cache}, logits_to_keep=1).logits[:, -1:].argmax(-1)
-
-    def step_ms() -> float:
-        nonlocal token
-        times = []
-        for i in range(case.warmup + case.gen_len):
-            _sync(device)
-            start = time.perf_counter()
-            token = model(token, **{name: cache}, logits_to_keep=1).logits[:, -1:].argmax(-1)
-            _sync(device)
-            if i >= case.warmup:
-                times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
-
-    full_step = step_ms()
+    decoder = _Decoder(model, cache, case)
+    decoder.prefill_seconds()
+    full_step = decoder.step_seconds() * 1e3
     cache.move_rows = False
-    compute_only = step_ms()
+    compute_only = decoder.step_seconds() * 1e3
     cache.move_rows, cache.kept_gathers = True, []
-    model(token, **{name: cache}, logits_to_keep=1)
+    decoder.forward(decoder.token)
     gathers, cache.kept_gathers = cache.kept_gathers, None
     _sync(device)
     start = time.perf_counter()

@@ -166,28 +166,14 @@ def test_push(checkpoint, tmp_path, monkeypatch):
     assert result.exit_code == 0 and "https://hf.co/me/tiny/commit/1" in result.output
 
 
+def bench(args: str):
+    return invoke("bench", *["--shape", "tiny-llama", "--device", "cpu", "--dtype", "float32"], *args.split())
+
+
 def test_bench_tiny_on_cpu():
     """A tiny benchmark run produces one row per policy and budget (no timing assertions)."""
-    result = invoke(
-        "bench",
-        "--shape",
-        "tiny-llama",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--batch",
-        "2",
-        "--prompt-len",
-        "64",
-        "--gen-len",
-        "2",
-        "--policies",
-        "dense,full,infinigen",
-        "--budgets",
-        "0.2,0.5",
-        "--breakdown",
-        "--json",
+    result = bench(
+        "--batch 2 --prompt-len 64 --gen-len 2 --policies dense,full,infinigen --budgets 0.2,0.5 --breakdown --json"
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -198,21 +184,5 @@ def test_bench_tiny_on_cpu():
     assert set(rows) == {("dense", None), ("full", None), ("infinigen", 0.2), ("infinigen", 0.5)}
     assert rows[("full", None)]["fraction_fetched"] == 1.0
     assert 0 < rows[("infinigen", 0.2)]["fraction_fetched"] < rows[("infinigen", 0.5)]["fraction_fetched"] <= 0.51
-    table = invoke(
-        "bench",
-        "--shape",
-        "tiny-llama",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--batch",
-        "1",
-        "--prompt-len",
-        "32",
-        "--gen-len",
-        "1",
-        "--policies",
-        "full",
-    )
+    table = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies full")
     assert table.exit_code == 0 and "tiny-llama float32, batch 1, context 32, on cpu" in table.stdout
