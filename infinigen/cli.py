@@ -372,6 +372,9 @@ def generate(
     ] = None,
     cpu_pool_gb: Annotated[float | None, typer.Option(help="Limit of the CPU KV pool (evicts when full).")] = None,
     eviction: Annotated[str, typer.Option(help="counter | fifo | lru.")] = "counter",
+    prefill_chunk: Annotated[
+        int, typer.Option(help="Prefill long prompts in chunks of this many tokens (bounds GPU memory); 0: one pass.")
+    ] = 4096,
     dtype: Annotated[str | None, typer.Option(help="float32 | float16 | bfloat16.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda[:N] (default: cuda if present).")] = None,
     as_json: JsonOpt = False,
@@ -422,15 +425,20 @@ def generate(
     timer = _TokenTimer(tokenizer, stream=len(prompts) == 1 and not as_json)
     if torch.cuda.is_available() and loaded.model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(loaded.model.device)
-    with torch.no_grad():
-        output = loaded.model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            streamer=timer,
-            pad_token_id=tokenizer.pad_token_id,
-            **{cache_argument(loaded.model): cache},
-        )
+    chunking = {"prefill_chunk_size": prefill_chunk} if 0 < prefill_chunk < prompt_len else {}
+    try:
+        with torch.no_grad():
+            output = loaded.model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                streamer=timer,
+                pad_token_id=tokenizer.pad_token_id,
+                **chunking,
+                **{cache_argument(loaded.model): cache},
+            )
+    except torch.OutOfMemoryError as exc:
+        raise InfinigenError(_out_of_memory(loaded.model, cache, len(prompts), prompt_len + max_new_tokens)) from exc
     texts = tokenizer.batch_decode(output[:, prompt_len:], skip_special_tokens=True)
     stats = _generate_stats(cache, timer, len(prompts), prompt_len, output.shape[1] - prompt_len, loaded.model)
     if as_json:
@@ -446,6 +454,22 @@ def generate(
             shown = _human_bytes(value) if "bytes" in key else str(value)
             table.add_row(key.replace("_", " "), shown)
     console.print(table)
+
+
+def _out_of_memory(model, cache, batch: int, tokens: int) -> str:
+    """The one-line message for a device out-of-memory error, with the sizes involved."""
+    import torch
+
+    spec = cache.spec
+    kv_per_layer = batch * spec.n_kv_heads * tokens * 2 * spec.head_dim * model.dtype.itemsize
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, total = torch.cuda.mem_get_info(model.device) if model.device.type == "cuda" else (0, 0)
+    return (
+        f"out of {model.device} memory: weights {_human_bytes(weights)}, batch {batch} x {tokens} tokens, "
+        f"KV {_human_bytes(kv_per_layer)} per layer ({cache.n_offloaded} of {spec.n_layers} layers offloaded, "
+        f"policy {cache.policy.name}); device free {_human_bytes(free)} of {_human_bytes(total)}: "
+        "lower the batch, --prefill-chunk or --budget, or use --policy infinigen"
+    )
 
 
 def _human_bytes(value: int) -> str:

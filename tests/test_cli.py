@@ -186,3 +186,19 @@ def test_bench_tiny_on_cpu():
     assert 0 < rows[("infinigen", 0.2)]["fraction_fetched"] < rows[("infinigen", 0.5)]["fraction_fetched"] <= 0.51
     table = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies full")
     assert table.exit_code == 0 and "tiny-llama float32, batch 1, context 32, on cpu" in table.stdout
+
+
+def test_generate_out_of_memory_is_one_line(checkpoint, tmp_path, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    folder = checkpoint("llama")
+    out = tmp_path / "skewed"
+    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(LlamaForCausalLM, "generate", no_memory)
+    result = invoke("generate", str(folder), "--artifact", str(out), "--prompt", "the house", "--device", "cpu")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "out of cpu memory: weights" in result.output and "1 of 3 layers offloaded" in result.output

@@ -186,3 +186,32 @@ def test_plain_generate_still_works_after_install(tokenizer):
     greedy(model, ids, cache_for(model, artifact))
     assert model.config._attn_implementation == "infinigen"
     assert torch.equal(greedy(model, ids), before)
+
+
+@pytest.mark.parametrize("policy", ["full", "infinigen"])
+def test_chunked_prefill_is_exact(tokenizer, policy, device):
+    """transformers' chunked prefill: later chunks attend over the pool's rows; same tokens as dense."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (9, 23)]
+    inputs = padded_batch(prompts, pad=1, device=device)
+    expected = greedy(model, inputs, DynamicCache())
+    name = cache_argument(model)
+    cache = cache_for(model, artifact, policy=policy, **EXACT)
+    out = model.generate(
+        **inputs, max_new_tokens=12, do_sample=False, pad_token_id=1, prefill_chunk_size=8, **{name: cache}
+    )
+    assert torch.equal(out[:, inputs["input_ids"].shape[1] :], expected)
+
+
+def test_sampling_matches_dense_at_full_budget(tokenizer, device):
+    model, artifact = tiny_setup(tokenizer, "qwen2", device)
+    inputs = {"input_ids": torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(2)).to(device)}
+    name = cache_argument(model)
+    samples = []
+    for cache in (DynamicCache(), cache_for(model, artifact, **EXACT)):
+        torch.manual_seed(0)
+        samples.append(
+            model.generate(**inputs, max_new_tokens=10, do_sample=True, top_k=50, pad_token_id=1, **{name: cache})
+        )
+    assert torch.equal(samples[0], samples[1])
