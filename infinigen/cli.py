@@ -52,7 +52,11 @@ def main(
     """InfiniGen for Hugging Face transformers."""
 
 
-def command(fn: Callable) -> Callable:
+eval_app = typer.Typer(help="Accuracy through the real runtime.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+
+def command(fn: Callable, on: typer.Typer = app) -> Callable:
     """Register a command whose user-facing errors become one red line and exit code 2, never a traceback."""
 
     @functools.wraps(fn)
@@ -63,7 +67,7 @@ def command(fn: Callable) -> Callable:
             err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
-    return app.command()(wrapper)
+    return on.command()(wrapper)
 
 
 @command
@@ -544,3 +548,72 @@ def _generate_stats(cache, timer: _TokenTimer, batch: int, prompt_len: int, new_
         else None,
         "per_layer": summary["per_layer"],
     }
+
+
+@functools.partial(command, on=eval_app)
+def ppl(
+    text: Annotated[Path, typer.Option(help="Text file (Gutenberg headers are stripped).")],
+    model: ModelArg = None,
+    artifact: Annotated[str | None, typer.Option(help="Artifact folder or Hub id.")] = None,
+    window: Annotated[int, typer.Option(help="Tokens per window.")] = 2048,
+    prefix: Annotated[int, typer.Option(help="Dense prefill part of each window; the rest is decoded.")] = 1024,
+    windows: Annotated[int, typer.Option(help="Number of windows (from the start of the text).")] = 4,
+    batch: Annotated[int, typer.Option(help="Windows decoded together.")] = 4,
+    policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = "dense,infinigen",
+    budgets: Annotated[str, typer.Option(help="infinigen: comma-separated budgets.")] = "0.2,0.1",
+    alpha: Annotated[float | None, typer.Option(help="Speculation threshold (default per family).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32 | float16 | bfloat16.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda[:N].")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Perplexity of the decoded part of each window, every policy through the same runtime path.
+
+    Example:\n
+      infinigen eval ppl --artifact skewed/ --text ../shared/data/wikitext-2/wiki.test.raw --windows 4
+    """
+    from infinigen.artifacts import open_artifact
+    from infinigen.evaluate import perplexity, read_text
+    from infinigen.evaluate import windows as split_windows
+    from infinigen.models import load_model
+
+    if not 0 < prefix < window:
+        raise InfinigenError(f"--prefix must be in (0, --window), got {prefix} and {window}")
+    loaded = load_model(model, device=device, dtype=dtype)
+    checked = open_artifact(artifact, loaded.model) if artifact is not None else None
+    ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
+    rows = []
+    for policy in (p.strip() for p in policies.split(",")):
+        for budget in budgets.split(",") if policy == "infinigen" else ["1"]:
+            settings = {"policy": policy, "budget": float(budget), "alpha": alpha}
+            rows.append(perplexity(loaded.model, checked, ids, prefix, batch=batch, **settings))
+            if not as_json:
+                err_console.print(f"{policy} budget {budget}: perplexity {rows[-1]['perplexity']}")
+    report = {
+        "model": loaded.source.model_id,
+        "text": str(text),
+        "windows": ids.shape[0],
+        "window": window,
+        "prefix": prefix,
+        "results": rows,
+    }
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    table = Table(
+        "policy",
+        "budget",
+        "perplexity",
+        "fraction fetched",
+        "tokens scored",
+        title=f"{report['model']}: {ids.shape[0]} x {window}-token windows of {text.name}, "
+        f"last {window - prefix} decoded",
+    )
+    for row in rows:
+        table.add_row(
+            row["policy"],
+            str(row["budget"]),
+            str(row["perplexity"]),
+            str(row["fraction_fetched"]),
+            str(row["tokens_scored"]),
+        )
+    console.print(table)

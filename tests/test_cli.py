@@ -202,3 +202,19 @@ def test_generate_out_of_memory_is_one_line(checkpoint, tmp_path, monkeypatch):
     result = invoke("generate", str(folder), "--artifact", str(out), "--prompt", "the house", "--device", "cpu")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "out of cpu memory: weights" in result.output and "1 of 3 layers offloaded" in result.output
+
+
+def test_eval_ppl(checkpoint, tmp_path):
+    folder = checkpoint("llama")
+    out = tmp_path / "skewed"
+    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+    text = tmp_path / "text.txt"
+    text.write_text("the house was old and the street was narrow and the walls were thin " * 30)
+    args = f"eval ppl {folder} --artifact {out} --text {text} --window 64 --prefix 32 --windows 3 --batch 2"
+    result = invoke(*args.split(), "--budgets", "0.5", "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("dense", 1.0), ("infinigen", 0.5)]
+    assert report["windows"] == 3 and all(r["tokens_scored"] == 3 * 32 for r in report["results"])
+    bad = invoke(*args.split(), "--prefix", "64", "--device", "cpu")
+    assert bad.exit_code == 2 and "--prefix must be in" in bad.output

@@ -1,0 +1,89 @@
+"""Accuracy through the real runtime: teacher-forced decoding scored token by token.
+
+A window's prefix is prefilled densely; the rest is fed one true token at a time through the same
+decode path that serves tokens (speculation, fetch, eviction), and each next token is scored.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from infinigen.artifacts import Artifact
+from infinigen.errors import InfinigenError
+from infinigen.runtime import cache_argument, cache_for
+
+GUTENBERG = re.compile(r"\*\*\* ?START OF.*?\*\*\*(.*)\*\*\* ?END OF", re.S)
+
+
+def read_text(path: str | Path) -> str:
+    """A text file; a Project Gutenberg book loses its header and licence."""
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InfinigenError(f"cannot read {path}: {exc}") from exc
+    body = GUTENBERG.search(text)
+    return body.group(1) if body else text
+
+
+def windows(tokenizer: PreTrainedTokenizerBase, text: str, window: int, count: int) -> torch.Tensor:
+    """The first ``count`` non-overlapping windows of ``window`` tokens: (count, window)."""
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    available = ids.numel() // window
+    if available == 0:
+        raise InfinigenError(f"the text has {ids.numel()} tokens, fewer than one {window}-token window")
+    count = min(count, available)
+    return ids[: count * window].view(count, window)
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+
+
+@torch.no_grad()
+def dense_forward_nll(model: PreTrainedModel, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Reference: one full forward without a cache. (B, T - prefix) NLL of tokens prefix .. T-1."""
+    logits = model(ids, use_cache=False).logits[:, prefix - 1 : -1]
+    return _nll(logits, ids[:, prefix:])
+
+
+@torch.no_grad()
+def teacher_forced_nll(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Through the runtime: prefill ids[:, :prefix], then one true token per step. (B, T - prefix)."""
+    name = cache_argument(model)
+    logits = [model(ids[:, :prefix], **{name: cache}, logits_to_keep=1).logits[:, -1:]]
+    for t in range(prefix, ids.shape[1] - 1):
+        logits.append(model(ids[:, t : t + 1], **{name: cache}).logits[:, -1:])
+    return _nll(torch.cat(logits, dim=1), ids[:, prefix:])
+
+
+def perplexity(
+    model: PreTrainedModel,
+    artifact: Artifact | None,
+    ids: torch.Tensor,
+    prefix: int,
+    *,
+    batch: int,
+    block: int = 256,
+    **settings,
+) -> dict:
+    """Perplexity of the decoded part of every window, per policy settings (``RuntimeConfig`` fields)."""
+    nll, fractions = [], []
+    for start in range(0, ids.shape[0], batch):
+        chunk = ids[start : start + batch].to(model.device)
+        cache = cache_for(model, artifact, **settings)
+        nll.append(teacher_forced_nll(model, cache, chunk, prefix).cpu())
+        fractions.append(cache.summary()["fraction_fetched"])
+    nll = torch.cat(nll)  # (windows, decoded)
+    blocks = [float(b.mean().exp()) for b in nll.split(block, dim=1)]
+    return {
+        **settings,
+        "perplexity": round(math.exp(float(nll.mean())), 4),
+        "fraction_fetched": round(sum(fractions) / len(fractions), 4),
+        "tokens_scored": nll.numel(),
+        "block_perplexity": [round(b, 3) for b in blocks],
+    }

@@ -1,0 +1,41 @@
+"""Teacher-forced scoring through the runtime."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from test_runtime import EXACT, tiny_setup
+
+from infinigen.evaluate import dense_forward_nll, perplexity, read_text, teacher_forced_nll
+from infinigen.runtime import cache_for
+
+
+def test_dense_runtime_perplexity_equals_full_forward(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    ids = torch.randint(3, 512, (2, 96), generator=torch.Generator().manual_seed(0))
+    reference = dense_forward_nll(model, ids, prefix=40)
+    through_runtime = teacher_forced_nll(model, cache_for(model, artifact, policy="dense"), ids, prefix=40)
+    assert through_runtime.shape == (2, 56)
+    assert math.isclose(float(through_runtime.mean().exp()), float(reference.mean().exp()), rel_tol=1e-4)
+    exact_sparse = teacher_forced_nll(model, cache_for(model, artifact, **EXACT), ids, prefix=40)
+    torch.testing.assert_close(exact_sparse, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_perplexity_report(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "qwen3", "cpu")
+    ids = torch.randint(3, 512, (3, 80), generator=torch.Generator().manual_seed(1))
+    report = perplexity(model, artifact, ids, 16, batch=2, block=32, policy="infinigen", budget=0.25, alpha=None)
+    assert report["tokens_scored"] == 3 * 64 and len(report["block_perplexity"]) == 2
+    assert 0 < report["fraction_fetched"] <= 0.25 + 1 / 16 and report["perplexity"] > 1
+    json.dumps(report)
+
+
+def test_gutenberg_header_is_stripped(tmp_path):
+    book = tmp_path / "book.txt"
+    book.write_text(
+        "licence blah\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\nThe story.\n"
+        "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nmore licence"
+    )
+    assert read_text(book).strip() == "The story."
