@@ -215,3 +215,16 @@ def test_sampling_matches_dense_at_full_budget(tokenizer, device):
             model.generate(**inputs, max_new_tokens=10, do_sample=True, top_k=50, pad_token_id=1, **{name: cache})
         )
     assert torch.equal(samples[0], samples[1])
+
+
+def test_beam_search_is_refused_clearly(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    with pytest.raises(InfinigenError, match="beam search is not supported"):
+        model.generate(
+            torch.randint(3, 512, (1, 12)),
+            max_new_tokens=4,
+            num_beams=2,
+            do_sample=False,
+            pad_token_id=1,
+            **{cache_argument(model): cache_for(model, artifact)},
+        )

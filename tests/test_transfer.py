@@ -20,7 +20,7 @@ from infinigen.runtime import transfer
 from infinigen.runtime.pool import KVPool
 torch.manual_seed(0)
 B, H, D, bt = 2, 3, 16, 8
-pool = KVPool(B, H, D, torch.float32, torch.device("cpu"), block_tokens=bt, max_tokens=None)
+pool = KVPool(B, H, D, torch.float32, torch.device("cpu"), block_tokens=bt)
 rows = torch.randn(B, H, 30, 2, D)
 pool.write_range(0, rows)
 pool.block_table = torch.tensor([b.data_ptr() for b in pool.blocks], dtype=torch.int64)
@@ -57,7 +57,7 @@ def test_triton_kernels_in_interpreter():
 
 def test_torch_gather_and_scatter_across_blocks():
     torch.manual_seed(0)
-    pool = KVPool(2, 2, 4, torch.float32, torch.device("cpu"), block_tokens=5, max_tokens=None)
+    pool = KVPool(2, 2, 4, torch.float32, torch.device("cpu"), block_tokens=5)
     rows = torch.randn(2, 2, 12, 2, 4)
     pool.write_range(0, rows)
     assert pool.capacity == 15 and len(pool.blocks) == 3

@@ -108,23 +108,26 @@ class InfinigenCache(Cache):
         layer.stats.record(count if count is not None else n, n, batch, kv_heads)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
-        ready = None
         if self.kept_gathers is not None:
             self.kept_gathers.append((layer.pool, indices, count, rows[:, :, :, :k]))
-        if not self.move_rows:
-            pass
-        elif self.stream is None:
-            layer.pool.gather(indices, count, rows[:, :, :, :k])
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self.stream):
-                layer.pool.gather(indices, count, rows[:, :, :, :k])
-                ready = torch.cuda.Event()
-                ready.record(self.stream)
-            for tensor in (indices, count):
-                if tensor is not None:
-                    tensor.record_stream(self.stream)
+        ready = self._gather(layer, indices, count, rows[:, :, :, :k]) if self.move_rows else None
         return Fetched(rows, valid, ready)
+
+    def _gather(self, layer: OffloadedLayer, indices, count, out) -> torch.cuda.Event | None:
+        """The row move itself: inline on CPU; on CUDA on the transfer stream, after the compute
+        stream's work so far, returning the event that marks its end."""
+        if self.stream is None:
+            layer.pool.gather(indices, count, out)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            layer.pool.gather(indices, count, out)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        for tensor in (indices, count):
+            if tensor is not None:
+                tensor.record_stream(self.stream)
+        return ready
 
     def _all_slots(self, n: int) -> torch.Tensor:
         """arange(n) on the device, cached."""

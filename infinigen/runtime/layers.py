@@ -112,7 +112,6 @@ class OffloadedLayer(_Layer):
             self.dtype,
             self.device,
             block_tokens=self.config.block_tokens,
-            max_tokens=self.max_tokens,
         )
         self.valid = torch.zeros(batch, kv_heads, 0, dtype=torch.bool, device=self.device)
         if self.max_tokens is not None:  # eviction bookkeeping, only for a limited pool
@@ -130,6 +129,9 @@ class OffloadedLayer(_Layer):
         if key_states.shape[2] > 1 or self.length == 0:
             return self._update_many(key_states, value_states)
         return self._update_decode(key_states, value_states)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise InfinigenError("beam search is not supported with KV in CPU memory: use greedy or sampling")
 
     # --- prefill -----------------------------------------------------------------------------
 

@@ -27,12 +27,10 @@ class KVPool:
         device: torch.device,
         *,
         block_tokens: int,
-        max_tokens: int | None,
     ) -> None:
         self.shape = (batch, kv_heads, block_tokens, 2, head_dim)
         self.dtype, self.device = dtype, device
         self.block_tokens = block_tokens
-        self.max_tokens = max_tokens
         self.blocks: list[torch.Tensor] = []
         self.block_table = torch.empty(0, dtype=torch.int64, device=device)  # data_ptr of each block
 
@@ -73,10 +71,3 @@ class KVPool:
     def gather(self, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
         """out[b, h, j] = row indices[b, h, j], for j < count (all j when count is None)."""
         transfer.gather_rows(self, indices, count, out)
-
-    def read_all(self, n_tokens: int, out: torch.Tensor) -> None:
-        """out[:, :, :n_tokens] = slots 0 .. n_tokens-1 (bulk copies, one per block)."""
-        for index in range((n_tokens + self.block_tokens - 1) // self.block_tokens):
-            lo = index * self.block_tokens
-            hi = min(n_tokens, lo + self.block_tokens)
-            out[:, :, lo:hi].copy_(self.blocks[index][:, :, : hi - lo], non_blocking=True)
