@@ -562,6 +562,10 @@ def ppl(
     policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = "dense,infinigen",
     budgets: Annotated[str, typer.Option(help="infinigen: comma-separated budgets.")] = "0.2,0.1",
     alpha: Annotated[float | None, typer.Option(help="Speculation threshold (default per family).")] = None,
+    cpu_pool_fraction: Annotated[
+        float | None, typer.Option(help="Limit the CPU pool to this share of a window's tokens (evicts).")
+    ] = None,
+    eviction: Annotated[str, typer.Option(help="counter | fifo | lru (with --cpu-pool-fraction).")] = "counter",
     dtype: Annotated[str | None, typer.Option(help="float32 | float16 | bfloat16.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda[:N].")] = None,
     as_json: JsonOpt = False,
@@ -584,8 +588,10 @@ def ppl(
     rows = []
     for policy in (p.strip() for p in policies.split(",")):
         for budget in budgets.split(",") if policy == "infinigen" else ["1"]:
-            settings = {"policy": policy, "budget": float(budget), "alpha": alpha}
-            rows.append(perplexity(loaded.model, checked, ids, prefix, batch=batch, **settings))
+            settings = {"policy": policy, "budget": float(budget), "alpha": alpha, "eviction": eviction}
+            rows.append(
+                perplexity(loaded.model, checked, ids, prefix, batch=batch, pool_fraction=cpu_pool_fraction, **settings)
+            )
             if not as_json:
                 err_console.print(f"{policy} budget {budget}: perplexity {rows[-1]['perplexity']}")
     report = {

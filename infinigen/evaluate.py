@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.runtime import cache_argument, cache_for
+from infinigen.runtime import RuntimeConfig, cache_argument, cache_for
 
 GUTENBERG = re.compile(r"\*\*\* ?START OF.*?\*\*\*(.*)\*\*\* ?END OF", re.S)
 
@@ -61,6 +61,17 @@ def teacher_forced_nll(model: PreTrainedModel, cache, ids: torch.Tensor, prefix:
     return _nll(torch.cat(logits, dim=1), ids[:, prefix:])
 
 
+def pool_settings(model: PreTrainedModel, tokens: int, batch: int, block_tokens: int = 16) -> dict:
+    """``cpu_pool_gb`` (and a block size that divides it) for a pool of ``tokens`` tokens per sequence."""
+    from infinigen.architectures import model_spec
+
+    spec = model_spec(model.config)
+    tokens -= tokens % block_tokens
+    offloaded = spec.n_layers - RuntimeConfig.dense_layers  # offloaded layers under the default placement
+    row = 2 * spec.head_dim * model.dtype.itemsize
+    return {"cpu_pool_gb": tokens * offloaded * batch * spec.n_kv_heads * row / 2**30, "block_tokens": block_tokens}
+
+
 def perplexity(
     model: PreTrainedModel,
     artifact: Artifact | None,
@@ -69,19 +80,30 @@ def perplexity(
     *,
     batch: int,
     block: int = 256,
+    pool_fraction: float | None = None,
     **settings,
 ) -> dict:
-    """Perplexity of the decoded part of every window, per policy settings (``RuntimeConfig`` fields)."""
-    nll, fractions = [], []
+    """Perplexity of the decoded part of every window, per policy settings (``RuntimeConfig`` fields).
+
+    ``pool_fraction`` limits the CPU pool to that share of a window's tokens (the paper's 80% pool),
+    so the decode evicts by ``settings["eviction"]``.
+    """
+    nll, fractions, evicted = [], [], 0
     for start in range(0, ids.shape[0], batch):
         chunk = ids[start : start + batch].to(model.device)
+        if pool_fraction is not None:
+            settings |= pool_settings(model, int(pool_fraction * ids.shape[1]), chunk.shape[0])
         cache = cache_for(model, artifact, **settings)
         nll.append(teacher_forced_nll(model, cache, chunk, prefix).cpu())
-        fractions.append(cache.summary()["fraction_fetched"])
+        summary = cache.summary()
+        fractions.append(summary["fraction_fetched"])
+        evicted += summary["evicted_tokens"]
     nll = torch.cat(nll)  # (windows, decoded)
     blocks = [float(b.mean().exp()) for b in nll.split(block, dim=1)]
     return {
         **settings,
+        "pool_fraction": pool_fraction,
+        "evicted_tokens": evicted,
         "perplexity": round(math.exp(float(nll.mean())), 4),
         "fraction_fetched": round(sum(fractions) / len(fractions), 4),
         "tokens_scored": nll.numel(),

@@ -39,3 +39,11 @@ def test_gutenberg_header_is_stripped(tmp_path):
         "*** END OF THE PROJECT GUTENBERG EBOOK X ***\nmore licence"
     )
     assert read_text(book).strip() == "The story."
+
+
+def test_limited_pool_evicts_during_evaluation(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    ids = torch.randint(3, 512, (2, 96), generator=torch.Generator().manual_seed(3))
+    report = perplexity(model, artifact, ids, 40, batch=2, pool_fraction=0.5, policy="infinigen", budget=0.5)
+    assert report["evicted_tokens"] == 2 * (95 - 48)  # 48-slot pool, 95 tokens stored per row
+    assert report["pool_fraction"] == 0.5 and report["perplexity"] > 1
