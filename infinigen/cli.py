@@ -140,8 +140,7 @@ def prepare(
         "seconds": round(seconds, 1),
         "peak_rss_gb": round(peak_rss_gb, 2),
     }
-    if as_json:
-        print(json.dumps(summary, indent=2))
+    if _printed_json(summary, as_json):
         return
     _print_energy(artifact.manifest)
     console.print(f"wrote [bold]{out}[/] in {seconds:.1f} s (peak RSS {peak_rss_gb:.2f} GB)")
@@ -160,8 +159,7 @@ def inspect(
     from infinigen.artifacts import artifact_folder, load_artifact
 
     manifest = load_artifact(artifact_folder(artifact)).manifest
-    if as_json:
-        print(json.dumps(asdict(manifest), indent=2))
+    if _printed_json(asdict(manifest), as_json):
         return
     table = Table(show_header=False, title=f"artifact {artifact}")
     for key, value in _summary(manifest).items():
@@ -193,8 +191,7 @@ def models(as_json: JsonOpt = False) -> None:
     from infinigen.architectures import SUPPORTED
     from infinigen.models import ALIASES
 
-    if as_json:
-        print(json.dumps({"aliases": ALIASES, "architectures": list(SUPPORTED)}, indent=2))
+    if _printed_json({"aliases": ALIASES, "architectures": list(SUPPORTED)}, as_json):
         return
     table = Table("alias", "resolves to", title="model aliases")
     for alias, target in ALIASES.items():
@@ -203,6 +200,13 @@ def models(as_json: JsonOpt = False) -> None:
     console.print(
         f"supported architectures: {', '.join(SUPPORTED)}; any local folder, GGUF file or Hub id of these works too."
     )
+
+
+def _printed_json(report, as_json: bool) -> bool:
+    """With --json, print ``report`` for machines (and the caller stops); else do nothing."""
+    if as_json:
+        print(json.dumps(report, indent=2))
+    return as_json
 
 
 def _progress(disable: bool) -> Progress:
@@ -306,8 +310,7 @@ def bench(
         "results": rows,
         "breakdown": splits,
     }
-    if as_json:
-        print(json.dumps(report, indent=2))
+    if _printed_json(report, as_json):
         return
     table = Table(
         "policy",
@@ -445,8 +448,7 @@ def generate(
         raise InfinigenError(_out_of_memory(loaded.model, cache, len(prompts), prompt_len + max_new_tokens)) from exc
     texts = tokenizer.batch_decode(output[:, prompt_len:], skip_special_tokens=True)
     stats = _generate_stats(cache, timer, len(prompts), prompt_len, output.shape[1] - prompt_len, loaded.model)
-    if as_json:
-        print(json.dumps({"outputs": texts, "stats": stats}, indent=2))
+    if _printed_json({"outputs": texts, "stats": stats}, as_json):
         return
     if len(prompts) > 1:
         for i, text in enumerate(texts):
@@ -602,8 +604,7 @@ def ppl(
         "prefix": prefix,
         "results": rows,
     }
-    if as_json:
-        print(json.dumps(report, indent=2))
+    if _printed_json(report, as_json):
         return
     table = Table(
         "policy",

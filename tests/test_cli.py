@@ -34,6 +34,18 @@ def checkpoint(tmp_path, tokenizer):
     return save
 
 
+@pytest.fixture
+def prepared(checkpoint, tmp_path):
+    """A tiny checkpoint folder and its artifact."""
+
+    def make(arch: str):
+        folder, out = checkpoint(arch), tmp_path / f"skewed-{arch}"
+        assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+        return folder, out
+
+    return make
+
+
 def test_version():
     result = invoke("--version")
     assert result.exit_code == 0 and __version__ in result.output
@@ -91,10 +103,8 @@ def test_main_job_default_model(tmp_path):
     assert "decode tok s" in result.stdout and "fraction fetched" in result.stdout
 
 
-def test_generate_batch_json(checkpoint, tmp_path):
-    folder = checkpoint("llama")
-    out = tmp_path / "skewed"
-    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+def test_generate_batch_json(prepared, tmp_path):
+    folder, out = prepared("llama")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the house was old\nand the street was narrow and the walls were\n")
     result = invoke(
@@ -129,10 +139,8 @@ def test_generate_batch_json(checkpoint, tmp_path):
         (["--policy", "infinigen", "--no-artifact"], "needs an artifact"),
     ],
 )
-def test_generate_bad_input(checkpoint, tmp_path, extra, message):
-    folder = checkpoint("qwen3")
-    out = tmp_path / "skewed"
-    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+def test_generate_bad_input(prepared, tmp_path, extra, message):
+    folder, out = prepared("qwen3")
     artifact = [] if "--no-artifact" in extra else ["--artifact", str(out)]
     extra = [x for x in extra if x != "--no-artifact"]
     result = invoke("generate", str(folder), *artifact, "--prompt", "the house", "--device", "cpu", *extra)
@@ -188,12 +196,10 @@ def test_bench_tiny_on_cpu():
     assert table.exit_code == 0 and "tiny-llama float32, batch 1, context 32, on cpu" in table.stdout
 
 
-def test_generate_out_of_memory_is_one_line(checkpoint, tmp_path, monkeypatch):
+def test_generate_out_of_memory_is_one_line(prepared, tmp_path, monkeypatch):
     from transformers import LlamaForCausalLM
 
-    folder = checkpoint("llama")
-    out = tmp_path / "skewed"
-    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+    folder, out = prepared("llama")
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -204,10 +210,8 @@ def test_generate_out_of_memory_is_one_line(checkpoint, tmp_path, monkeypatch):
     assert "out of cpu memory: weights" in result.output and "1 of 3 layers offloaded" in result.output
 
 
-def test_eval_ppl(checkpoint, tmp_path):
-    folder = checkpoint("llama")
-    out = tmp_path / "skewed"
-    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+def test_eval_ppl(prepared, tmp_path):
+    folder, out = prepared("llama")
     text = tmp_path / "text.txt"
     text.write_text("the house was old and the street was narrow and the walls were thin " * 30)
     args = f"eval ppl {folder} --artifact {out} --text {text} --window 64 --prefix 32 --windows 3 --batch 2"
