@@ -75,6 +75,7 @@ SHAPES: dict[str, dict] = {
     ),
 }
 HF_BASELINES = ("hf-dynamic", "hf-offloaded")  # transformers' own caches, for reference
+BUDGETED = ("infinigen", "oracle")  # policies that fetch a budgeted share: --budgets sweeps them
 
 
 def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
@@ -181,7 +182,7 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
         "policy": case.policy,
         "batch": case.batch,
         "prompt_len": case.prompt_len,
-        "budget": case.budget if case.policy == "infinigen" else None,
+        "budget": case.budget if case.policy in BUDGETED else None,
         "prefill_s": round(prefill_s, 3),
         "ms_per_step": round(step_s * 1e3, 2),
         "decode_tok_s": round(case.batch / step_s, 1),

@@ -274,7 +274,7 @@ def bench(
     """
     import torch
 
-    from infinigen.bench import BenchCase, pinned_bandwidth, random_model, run_case
+    from infinigen.bench import BUDGETED, BenchCase, pinned_bandwidth, random_model, run_case
     from infinigen.bench import breakdown as split_step
     from infinigen.models import LoadedModel, ModelSource, parse_dtype, resolve_device
     from infinigen.prepare import prepare_artifact
@@ -291,7 +291,7 @@ def bench(
     cases = [
         BenchCase(policy, batch, prompt_len, gen_len, budget=float(budget))
         for policy in (p.strip() for p in policies.split(","))
-        for budget in (budgets.split(",") if policy == "infinigen" else ["1"])
+        for budget in (budgets.split(",") if policy in BUDGETED else ["1"])
     ]
     rows = []
     for case in cases:
@@ -562,7 +562,7 @@ def ppl(
     windows: Annotated[int, typer.Option(help="Number of windows (from the start of the text).")] = 4,
     batch: Annotated[int, typer.Option(help="Windows decoded together.")] = 4,
     policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = "dense,infinigen",
-    budgets: Annotated[str, typer.Option(help="infinigen: comma-separated budgets.")] = "0.2,0.1",
+    budgets: Annotated[str, typer.Option(help="infinigen/oracle: comma-separated budgets.")] = "0.2,0.1",
     alpha: Annotated[float | None, typer.Option(help="Speculation threshold (default per family).")] = None,
     cpu_pool_fraction: Annotated[
         float | None, typer.Option(help="Limit the CPU pool to this share of a window's tokens (evicts).")
@@ -578,6 +578,7 @@ def ppl(
       infinigen eval ppl --artifact skewed/ --text ../shared/data/wikitext-2/wiki.test.raw --windows 4
     """
     from infinigen.artifacts import open_artifact
+    from infinigen.bench import BUDGETED
     from infinigen.evaluate import perplexity, read_text
     from infinigen.evaluate import windows as split_windows
     from infinigen.models import load_model
@@ -589,7 +590,7 @@ def ppl(
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     rows = []
     for policy in (p.strip() for p in policies.split(",")):
-        for budget in budgets.split(",") if policy == "infinigen" else ["1"]:
+        for budget in budgets.split(",") if policy in BUDGETED else ["1"]:
             settings = {"policy": policy, "budget": float(budget), "alpha": alpha, "eviction": eviction}
             rows.append(
                 perplexity(loaded.model, checked, ids, prefix, batch=batch, pool_fraction=cpu_pool_fraction, **settings)

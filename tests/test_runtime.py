@@ -45,7 +45,7 @@ def tiny_setup(tokenizer, arch: str, device: str):
     return model, artifact
 
 
-@pytest.mark.parametrize("policy", ["full", "infinigen"])
+@pytest.mark.parametrize("policy", ["full", "infinigen", "oracle"])
 @pytest.mark.parametrize("arch", ["opt", "llama", "qwen2", "qwen3"])
 def test_full_budget_is_exact_tiny(tokenizer, arch, policy, device):
     model, artifact = tiny_setup(tokenizer, arch, device)
@@ -228,3 +228,33 @@ def test_beam_search_is_refused_clearly(tokenizer):
             pad_token_id=1,
             **{cache_argument(model): cache_for(model, artifact)},
         )
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_oracle_selects_the_exact_top_k(tokenizer, arch, monkeypatch):
+    """Against logits from q/k captured in a plain forward (no cache): same sets, per KV head."""
+    from infinigen.prepare.capture import capture_qk
+
+    model, _ = tiny_setup(tokenizer, arch, "cpu")
+    ids = torch.randint(3, 512, (1, 41), generator=torch.Generator().manual_seed(4))
+    with capture_qk(model) as records, torch.no_grad():
+        model(ids, use_cache=False)
+    q, k = records[2][0]  # layer 2: q (heads, 41, d), k (kv_heads, 41, d)
+    cache = cache_for(model, policy="oracle", budget=0.25)
+    selections = []
+    real_fetch = cache.fetch
+    monkeypatch.setattr(
+        cache, "fetch", lambda layer, sel: selections.append((layer.index, sel)) or real_fetch(layer, sel)
+    )
+    name = cache_argument(model)
+    with torch.no_grad():
+        model(ids[:, :40], **{name: cache})
+        model(ids[:, 40:], **{name: cache})
+    (selection,) = [sel for index, sel in selections if index == 2]
+    count = int(selection.count[0])
+    assert count == 10  # 25% of 40 cached tokens
+    logits = torch.einsum("hd,htd->ht", q[:, -1], k[:, :40].repeat_interleave(q.shape[0] // k.shape[0], 0))
+    per_kv_head = logits.view(k.shape[0], -1, 40).amax(dim=1)
+    for head in range(k.shape[0]):
+        expected = set(per_kv_head[head].topk(count).indices.tolist())
+        assert set(selection.indices[0, head, :count].tolist()) == expected

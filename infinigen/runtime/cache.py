@@ -51,7 +51,7 @@ class InfinigenCache(Cache):
             if self.policy.speculates:
                 param = next(model.parameters())
                 speculator = LayerSpeculator(self.spec, artifact, i, blocks[i].self_attn, param.device, param.dtype)
-            layers.append(OffloadedLayer(i, self.policy, config, speculator, runtime=self))
+            layers.append(OffloadedLayer(i, self.policy, config, speculator, blocks[i].self_attn, runtime=self))
         super().__init__(layers=layers)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.device = next(model.parameters()).device
@@ -98,13 +98,13 @@ class InfinigenCache(Cache):
         n, device = layer.used, self.device
         indices, count = selection.indices, selection.count
         if indices is None:
-            indices = self._all_slots(n).expand(batch, kv_heads, n)
+            indices = self.all_slots(n).expand(batch, kv_heads, n)
         k = indices.shape[-1]
         rows = self._buffer(layer.index % 2, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
         valid = torch.empty(batch, kv_heads, k + 1, dtype=torch.bool, device=device)
         valid[:, :, :k] = layer.valid.gather(-1, indices)
         if count is not None:
-            valid[:, :, :k] &= self._all_slots(k) < count[:, None, None]
+            valid[:, :, :k] &= self.all_slots(k) < count[:, None, None]
         layer.stats.record(count if count is not None else n, n, batch, kv_heads)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
@@ -129,7 +129,7 @@ class InfinigenCache(Cache):
                 tensor.record_stream(self.stream)
         return ready
 
-    def _all_slots(self, n: int) -> torch.Tensor:
+    def all_slots(self, n: int) -> torch.Tensor:
         """arange(n) on the device, cached."""
         if self.slot_range.numel() < n:
             self.slot_range = torch.arange(max(n, 2 * self.slot_range.numel()), device=self.device)
@@ -220,7 +220,9 @@ def _step_hook(j: int, norms: list[nn.Module]):
         hidden = args[0] if args else kwargs["hidden_states"]  # (B, q_len, hidden)
         if hidden.shape[1] != 1:  # prefill: nothing to select
             return
-        for target in ([0] if j == 0 else []) + ([j + 1] if j + 1 < len(norms) else []):
+        ahead = [0] if j == 0 else []  # layer 0 has no previous layer: it selects from its own input
+        ahead += [j + 1] if j + 1 < len(norms) else []
+        for target in ahead if cache.policy.lookahead else [j]:
             layer = cache.layers[target]
             if isinstance(layer, OffloadedLayer) and layer.is_initialized:
                 layer.prefetch(norms[target](hidden[:, 0]), cache.rope)

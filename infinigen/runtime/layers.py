@@ -87,10 +87,12 @@ class OffloadedLayer(_Layer):
         policy: Policy,
         config: RuntimeConfig,
         speculator: LayerSpeculator | None,
+        attention: torch.nn.Module,
         runtime,
     ) -> None:
         super().__init__()
         self.index, self.policy, self.config, self.speculator = index, policy, config, speculator
+        self.attention = attention  # the layer's attention module (the oracle computes its true query)
         self.runtime = runtime  # the InfinigenCache: shared stream, staging buffers, pool limit
         self.max_tokens: int | None = None  # pool limit in tokens per (batch row, KV head); None: unlimited
         self.used = 0  # slots in use (< length once the pool is full and evicts)

@@ -22,10 +22,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def rotate_and_project(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, projection: torch.Tensor):
-    """RoPE at the current position, then the skewed, scaled channel projection.
-    q (B, heads, d); cos/sin (B or 1, 1, d); projection (heads, d, r) -> (B, heads, r)."""
-    return torch.einsum("bhd,hdr->bhr", q * cos + rotate_half(q) * sin, projection)
+def rotated_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope) -> torch.Tensor:
+    """A layer's query for one token, as its attention computes it (RoPE models, unscaled):
+    attention input (B, hidden) -> (B, heads, d)."""
+    q = attention.q_proj(x).view(x.shape[0], spec.n_heads, spec.head_dim)
+    if hasattr(attention, "q_norm"):
+        q = attention.q_norm(q)
+    cos, sin = (t[:, -1, None, :] for t in rope)  # (B or 1, 1, d)
+    return q * cos + rotate_half(q) * sin
 
 
 class LayerSpeculator(nn.Module):
@@ -54,8 +58,5 @@ class LayerSpeculator(nn.Module):
         """Attention input of the previous layer (B, hidden) -> (B, heads, r)."""
         if not self.spec.rope:
             return torch.einsum("bx,hrx->bhr", x, self.query_weight) + self.query_bias
-        q = self.attention.q_proj(x).view(x.shape[0], self.spec.n_heads, self.spec.head_dim)
-        if hasattr(self.attention, "q_norm"):
-            q = self.attention.q_norm(q)
-        cos, sin = rope  # (B or 1, q_len, d)
-        return rotate_and_project(q, cos[:, -1, None, :], sin[:, -1, None, :], self.query_projection)
+        q = rotated_query(self.attention, self.spec, x, rope)
+        return torch.einsum("bhd,hdr->bhr", q, self.query_projection)

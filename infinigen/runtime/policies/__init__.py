@@ -6,8 +6,9 @@ from infinigen.runtime.policies.base import Policy, Selection
 from infinigen.runtime.policies.dense import DensePolicy
 from infinigen.runtime.policies.full import FullPolicy
 from infinigen.runtime.policies.infinigen import InfinigenPolicy
+from infinigen.runtime.policies.oracle import OraclePolicy
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (DensePolicy, FullPolicy, InfinigenPolicy)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (DensePolicy, FullPolicy, InfinigenPolicy, OraclePolicy)}
 
 
 def make_policy(config: RuntimeConfig) -> Policy:

@@ -31,7 +31,8 @@ class Policy:
 
     name: ClassVar[str]
     offloads: ClassVar[bool] = True  # False: every layer keeps its whole KV on the compute device
-    speculates: ClassVar[bool] = False  # True: needs the artifact, partial keys and the previous layer's input
+    speculates: ClassVar[bool] = False  # True: needs the artifact and partial keys
+    lookahead: ClassVar[bool] = True  # select one layer ahead (from the previous layer); False: at the layer
 
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
@@ -39,5 +40,6 @@ class Policy:
     def select(
         self, layer: OffloadedLayer, attention_input: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> Selection:
-        """attention_input: the previous layer's attention input for the current token, (B, hidden)."""
+        """attention_input (B, hidden): with ``lookahead``, the residual stream entering the previous layer
+        under this layer's attention norm (an approximation); otherwise this layer's exact input."""
         return Selection()

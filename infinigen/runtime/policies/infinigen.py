@@ -40,11 +40,7 @@ def select_tokens(
     min_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculated scores -> (slots (B, kv_heads, k_max) ascending, count (B,) int32)."""
-    batch, kv_heads, n, _ = partial_keys.shape
-    grouped = partial_query.view(batch, kv_heads, -1, partial_query.shape[-1])
-    # Each KV head scores a token by the best logit of its query group.
-    scores = torch.einsum("bkgr,bktr->bkgt", grouped, partial_keys).amax(dim=2).float()
-    scores = scores.masked_fill(~valid, -math.inf)
+    scores = group_scores(partial_query, partial_keys, valid)
     top = scores.topk(k_max, dim=-1)
     # Per batch row: tokens within alpha of each head's best, averaged over its KV heads, then
     # capped by the budget share of the row's own cached tokens (rows never influence each other).
@@ -52,6 +48,21 @@ def select_tokens(
     cached = valid.sum(dim=-1).amax(dim=1)  # (B,)
     cap = (cached * budget).ceil().clamp(min=min_tokens).minimum(cached)
     count = above.round().maximum(cached.clamp(max=min_tokens)).minimum(cap).to(torch.int32)
-    rank = torch.arange(k_max, device=scores.device)
-    kept = torch.where(rank < count[:, None, None], top.indices, n)  # slot n sorts last: not fetched
-    return kept.sort(dim=-1).values.clamp(max=n - 1), count
+    return first_ranks(top.indices, count, scores.shape[-1]), count
+
+
+def group_scores(queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """queries (B, heads, c) x keys (B, kv_heads, n, c) -> (B, kv_heads, n) float: each KV head scores a
+    token by the best logit of its query group; -inf where ``valid`` is False."""
+    batch, kv_heads = keys.shape[:2]
+    grouped = queries.view(batch, kv_heads, -1, queries.shape[-1])
+    scores = torch.einsum("bkgc,bktc->bkgt", grouped, keys).amax(dim=2).float()
+    return scores.masked_fill(~valid, -math.inf)
+
+
+def first_ranks(ranked: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
+    """The first count[b] slots of each ranked row (B, kv_heads, K), ascending; the rest sort last
+    (clamped to a real slot: never fetched, since the gather stops at the count)."""
+    rank = torch.arange(ranked.shape[-1], device=ranked.device)
+    kept = torch.where(rank < count[:, None, None], ranked, n)
+    return kept.sort(dim=-1).values.clamp(max=n - 1)
