@@ -23,7 +23,16 @@ from infinigen.models import LoadedModel, ModelSource, load_model
 from infinigen.prepare.calibration import bundled_text
 
 ARCHITECTURES = ("opt", "llama", "mistral", "qwen2", "qwen3")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 VOCAB = 512
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Each test that takes it runs on CPU and, where present, on CUDA with the same assertions."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return request.param
 
 
 @pytest.fixture(scope="session")

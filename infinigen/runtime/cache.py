@@ -12,6 +12,7 @@ The hooks are installed once per model and act only when an ``InfinigenCache`` i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -51,29 +52,37 @@ class InfinigenCache(Cache):
             if self.policy.speculates:
                 param = next(model.parameters())
                 speculator = LayerSpeculator(self.spec, artifact, i, blocks[i].self_attn, param.device, param.dtype)
-            layers.append(OffloadedLayer(i, self.policy, config, speculator, blocks[i].self_attn, runtime=self))
+            policy = make_policy(config)  # one instance per layer: it keeps the layer's selection state
+            layers.append(OffloadedLayer(i, policy, config, speculator, blocks[i].self_attn, runtime=self))
         super().__init__(layers=layers)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.device = next(model.parameters()).device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.buffers: list[torch.Tensor] = [torch.empty(0, device=self.device)] * 2
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.slot_range = torch.arange(0, device=self.device)
         # Diagnostics for `infinigen bench --breakdown`: skip the row moves (compute only), or keep
         # each step's gathers to replay them alone (transfer only).
         self.move_rows = True
         self.kept_gathers: list[tuple] | None = None
+        # Diagnostics for `infinigen eval`: called as probe(layer, query (B, H, 1, d)) at each decode
+        # attention of an offloaded layer.
+        self.decode_probe: Callable[[OffloadedLayer, torch.Tensor], None] | None = None
         install(model)
 
     @property
     def offloaded(self) -> list[OffloadedLayer]:
         return [layer for layer in self.layers if isinstance(layer, OffloadedLayer)]
 
+    def stored_dim(self, dtype: torch.dtype) -> int:
+        """Elements of ``dtype`` per K or V in a pool row (fewer than head_dim for a compressing policy)."""
+        codec = self.policy.codec
+        return self.spec.head_dim if codec is None else codec.stored_dim(self.spec.head_dim, dtype)
+
     def pool_limit(self, batch: int, dtype: torch.dtype) -> int | None:
         """Tokens per (batch row, KV head) each offloaded layer's pool may hold (whole blocks)."""
-        tokens = pool_tokens(
-            self.config.cpu_pool_gb, self.n_offloaded, batch, self.spec.n_kv_heads, self.spec.head_dim, dtype
-        )
+        row_bytes = 2 * self.stored_dim(dtype) * dtype.itemsize
+        tokens = pool_tokens(self.config.cpu_pool_gb, self.n_offloaded, batch, self.spec.n_kv_heads, row_bytes)
         if tokens is None:
             return None
         tokens -= tokens % self.config.block_tokens if tokens >= self.config.block_tokens else 0
@@ -81,15 +90,16 @@ class InfinigenCache(Cache):
 
     # --- transfers ---------------------------------------------------------------------------
 
-    def _buffer(self, parity: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A view of one of two reusable staging buffers (double buffering across layers)."""
+    def _buffer(self, name: str, parity: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A view of a reusable staging buffer; two per name (double buffering across layers)."""
         numel = math.prod(shape)
-        buffer = self.buffers[parity]
-        if buffer.dtype != dtype or buffer.numel() < numel:
-            buffer = torch.empty(max(numel, 2 * buffer.numel()), dtype=dtype, device=self.device)
+        buffer = self.buffers.get((name, parity))
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            old = 0 if buffer is None else buffer.numel()
+            buffer = torch.empty(max(numel, 2 * old), dtype=dtype, device=self.device)
             if self.stream is not None:
                 buffer.record_stream(self.stream)
-            self.buffers[parity] = buffer
+            self.buffers[name, parity] = buffer
         return buffer[:numel].view(shape)
 
     def fetch(self, layer: OffloadedLayer, selection: Selection) -> Fetched:
@@ -99,19 +109,25 @@ class InfinigenCache(Cache):
         indices, count = selection.indices, selection.count
         if indices is None:
             indices = self.all_slots(n).expand(batch, kv_heads, n)
-        k = indices.shape[-1]
-        rows = self._buffer(layer.index % 2, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
+        k, parity = indices.shape[-1], layer.index % 2
+        rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
         valid = torch.empty(batch, kv_heads, k + 1, dtype=torch.bool, device=device)
         valid[:, :, :k] = layer.valid.gather(-1, indices)
         if count is not None:
             valid[:, :, :k] &= self.all_slots(k) < count[:, None, None]
-        layer.stats.record(count if count is not None else n, n, batch, kv_heads)
+        if selection.valid is not None:
+            valid[:, :, :k] &= selection.valid
+        layer.stats.record(count if count is not None else k, n, batch, kv_heads)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
+        packed = None
+        moved = rows[:, :, :, :k]
+        if layer.policy.codec is not None:  # rows move compressed; ``wait`` decodes them
+            packed = moved = self._buffer("packed", parity, (batch, kv_heads, 2, k, layer.pool.shape[-1]), layer.dtype)
         if self.kept_gathers is not None:
-            self.kept_gathers.append((layer.pool, indices, count, rows[:, :, :, :k]))
-        ready = self._gather(layer, indices, count, rows[:, :, :, :k]) if self.move_rows else None
-        return Fetched(rows, valid, ready)
+            self.kept_gathers.append((layer.pool, indices, count, moved))
+        ready = self._gather(layer, indices, count, moved) if self.move_rows else None
+        return Fetched(rows, valid, indices, ready, packed)
 
     def _gather(self, layer: OffloadedLayer, indices, count, out) -> torch.cuda.Event | None:
         """The row move itself: inline on CPU; on CUDA on the transfer stream, after the compute
@@ -135,25 +151,29 @@ class InfinigenCache(Cache):
             self.slot_range = torch.arange(max(n, 2 * self.slot_range.numel()), device=self.device)
         return self.slot_range[:n]
 
-    def wait(self, fetched: Fetched) -> None:
-        """Make the compute stream wait for a prefetch (timed with events when collecting stats)."""
-        if fetched.ready is None:
-            return
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record()
-        torch.cuda.current_stream(self.device).wait_event(fetched.ready)
-        after.record()
-        self.wait_events.append((before, after))
+    def wait(self, fetched: Fetched, codec=None) -> None:
+        """Make the compute stream wait for a prefetch (timed with events), then decode compressed rows."""
+        if fetched.ready is not None:
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+            torch.cuda.current_stream(self.device).wait_event(fetched.ready)
+            after.record()
+            self.wait_events.append((before, after))
+        if fetched.packed is not None:
+            codec.decode(fetched.packed, fetched.rows[:, :, :, : fetched.packed.shape[3]])
 
     def summary(self) -> dict:
         if self.wait_events:
             torch.cuda.synchronize(self.device)
         wait_ms = sum(b.elapsed_time(a) for b, a in self.wait_events)
-        offloaded = self.offloaded
-        dtype = offloaded[0].dtype if offloaded and offloaded[0].is_initialized else torch.float16
-        row_bytes = 2 * self.spec.head_dim * torch.finfo(dtype).bits // 8
-        pool_bytes = sum(layer.pool.nbytes for layer in offloaded if layer.is_initialized)
-        return {"policy": self.policy.name, **summarize(offloaded, row_bytes, wait_ms, pool_bytes)}
+        offloaded = [layer for layer in self.offloaded if layer.is_initialized]
+        row_bytes = offloaded[0].pool.row_bytes if offloaded else 0
+        pool_bytes = sum(layer.pool.nbytes for layer in offloaded)
+        summary = summarize(offloaded, row_bytes, wait_ms, pool_bytes)
+        codec = self.policy.codec
+        bits = codec.bits_per_value if codec is not None else 16  # 16-bit KV as the reference
+        summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
+        return {"policy": self.policy.name, **summary}
 
 
 # --- attention and hooks -----------------------------------------------------------------------
@@ -162,25 +182,58 @@ class InfinigenCache(Cache):
 def grouped_decode_attention(query, keys, values, valid, scaling):
     """One query token over gathered rows. query (B, H, 1, d); keys/values (B, kv_heads, S, d);
     valid (B, kv_heads, S). Grouped-query heads share their KV head's rows (no repeat).
-    Returns (B, 1, H, d), as transformers' attention functions do."""
+    Returns the output (B, 1, H, d), as transformers' attention functions do, and the attention
+    probabilities (B, kv_heads, G, S)."""
     batch, heads, _, head_dim = query.shape
     kv_heads = keys.shape[1]
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling  # (B, kv_heads, G, S)
-    scores = scores.masked_fill(~valid[:, :, None, :], -math.inf)
-    out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)  # (B, kv_heads, G, d)
-    return out.reshape(batch, 1, heads, head_dim)
+    probs = scores.masked_fill(~valid[:, :, None, :], -math.inf).softmax(dim=-1)
+    out = torch.matmul(probs.to(values.dtype), values)  # (B, kv_heads, G, d)
+    return out.reshape(batch, 1, heads, head_dim), probs
+
+
+def attention_mass(query, keys, mask, scaling, chunk: int = 256) -> torch.Tensor:
+    """Attention probability each key receives in a multi-token step, summed over the queries and each
+    KV head's group. query (B, H, T, d); keys (B, kv_heads, S, d); mask (B, 1, T, S) bool, or None
+    for plain causal. Returns (B, kv_heads, S) float32; queries in chunks bound the memory."""
+    batch, heads, length, head_dim = query.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    grouped = query.view(batch, kv_heads, heads // kv_heads, length, head_dim)
+    key_columns = keys[:, :, None].transpose(-1, -2)  # (B, kv_heads, 1, d, S)
+    mass = torch.zeros(batch, kv_heads, total, dtype=torch.float32, device=query.device)
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        scores = torch.matmul(grouped[:, :, :, start:stop], key_columns).float() * scaling  # (B, kv, G, c, S)
+        if mask is not None:
+            allowed = mask[:, :, None, start:stop]
+        else:
+            positions = torch.arange(start, stop, device=query.device) + total - length
+            allowed = torch.arange(total, device=query.device) <= positions[:, None]
+        probs = scores.masked_fill(~allowed, -math.inf).softmax(dim=-1).nan_to_num(0.0)  # padding rows: 0
+        mass += probs.sum(dim=(2, 3))
+    return mass
 
 
 def infinigen_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     cache = getattr(module, "_infinigen_cache", None)
     layer = cache.layers[module.layer_idx] if cache is not None else None
-    if isinstance(layer, OffloadedLayer):
-        if layer.attention_valid is not None:
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return grouped_decode_attention(query, key, value, layer.attention_valid, scale), None
-        if attention_mask is not None and attention_mask.dtype == torch.bool:
-            layer.mark_padding(attention_mask[:, 0, -1, -query.shape[2] :])
+    if not isinstance(layer, OffloadedLayer):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    observes = layer.policy.observes_attention
+    if layer.attention_valid is not None:
+        if cache.decode_probe is not None:
+            cache.decode_probe(layer, query)
+        out, probs = grouped_decode_attention(query, key, value, layer.attention_valid, scale)
+        if observes:
+            layer.policy.attended(layer, layer.attention_slots, probs.sum(dim=2))
+        return out, None
+    mask = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
+    if mask is not None:
+        layer.mark_padding(mask[:, 0, -1, -query.shape[2] :])
+    if observes:
+        layer.policy.attended(layer, None, attention_mass(query, key, mask, scale))
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 

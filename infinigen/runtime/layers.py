@@ -8,32 +8,18 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from infinigen.errors import InfinigenError
+from infinigen.runtime.buffers import grown
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.policies import Policy, Selection
 from infinigen.runtime.pool import KVPool
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import LayerStats
-
-
-def _grown(tensor: torch.Tensor, length: int, dim: int, fill=0) -> torch.Tensor:
-    """``tensor`` with dimension ``dim`` at least ``length``, old contents kept.
-
-    Grows by an eighth (at least 256): appends stay amortised O(1) without doubling a large cache.
-    """
-    if tensor.shape[dim] >= length:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = max(length, shape[dim] + max(256, shape[dim] // 8))
-    bigger = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
-    bigger.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
-    return bigger
 
 
 class _Layer(CacheLayerMixin):
@@ -64,7 +50,7 @@ class DenseLayer(_Layer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[2]
-        self.keys, self.values = _grown(self.keys, end, 2), _grown(self.values, end, 2)
+        self.keys, self.values = grown(self.keys, end, 2), grown(self.values, end, 2)
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
         self.length = end
@@ -77,7 +63,9 @@ class Fetched:
 
     rows: torch.Tensor  # (B, kv_heads, 2, K + 1, d): a K plane and a V plane per head
     valid: torch.Tensor  # (B, kv_heads, K + 1) bool
-    ready: torch.cuda.Event | None  # recorded on the transfer stream when ``rows`` is complete
+    indices: torch.Tensor  # (B, kv_heads, K) the slots fetched
+    ready: torch.cuda.Event | None  # recorded on the transfer stream when the moved rows are complete
+    packed: torch.Tensor | None = None  # (B, kv_heads, 2, K, stored_dim) as moved, for a policy's codec
 
 
 class OffloadedLayer(_Layer):
@@ -99,6 +87,8 @@ class OffloadedLayer(_Layer):
         self.step = 0
         self.fetched: Fetched | None = None
         self.attention_valid: torch.Tensor | None = None  # (B, kv_heads, K + 1) for the current decode step
+        self.attention_slots: torch.Tensor | None = None  # (B, kv_heads, K + 1) their slots
+        self.decoding: Fetched | None = None  # what the current decode step attends over
         self.stats = LayerStats()
 
     # --- transformers' layer interface -------------------------------------------------------
@@ -110,7 +100,7 @@ class OffloadedLayer(_Layer):
         self.pool = KVPool(
             batch,
             kv_heads,
-            head_dim,
+            self.runtime.stored_dim(self.dtype),
             self.dtype,
             self.device,
             block_tokens=self.config.block_tokens,
@@ -120,9 +110,6 @@ class OffloadedLayer(_Layer):
             self.inserted = torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=self.device)
             self.last_fetch = torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=self.device)
             self.fetch_count = torch.zeros(batch, kv_heads, 0, dtype=torch.int32, device=self.device)
-        if self.speculator is not None:
-            r = self.speculator.key_projection.shape[-1]
-            self.partial_keys = torch.zeros(batch, kv_heads, 0, r, dtype=self.dtype, device=self.device)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -143,6 +130,8 @@ class OffloadedLayer(_Layer):
         if self.used < self.length:
             raise InfinigenError("multi-token steps after the CPU pool has evicted tokens are not supported")
         past = self._fetch_all() if self.length else None
+        if past is not None:
+            self.runtime.wait(past, self.policy.codec)
         if self.max_tokens is not None and self.used + new > self.max_tokens:
             raise InfinigenError(
                 f"the CPU KV pool holds {self.max_tokens} tokens per sequence per layer, too few for "
@@ -150,7 +139,7 @@ class OffloadedLayer(_Layer):
             )
         slots = range(self.used, self.used + new)
         self._append_metadata(slots.start, slots.stop, key_states)
-        self.pool.write_range(slots.start, torch.stack([key_states, value_states], dim=3))
+        self.pool.write_range(slots.start, self._encoded(key_states, value_states))
         self.stats.written_rows += new * key_states.shape[0] * key_states.shape[1]
         self.length += new
         self.used += new
@@ -161,18 +150,21 @@ class OffloadedLayer(_Layer):
         return torch.cat([rows[:, :, 0], key_states], dim=2), torch.cat([rows[:, :, 1], value_states], dim=2)
 
     def _append_metadata(self, start: int, end: int, key_states) -> None:
-        self.valid = _grown(self.valid, end, 2, fill=False)
+        self.valid = grown(self.valid, end, 2, fill=False)
         self.valid[:, :, start:end] = True  # padding is cleared by the attention function
         if self.max_tokens is not None:
-            self.inserted = _grown(self.inserted, end, 2)
+            self.inserted = grown(self.inserted, end, 2)
             self.inserted[:, :, start:end] = self.step
-            self.last_fetch = _grown(self.last_fetch, end, 2)
+            self.last_fetch = grown(self.last_fetch, end, 2)
             self.last_fetch[:, :, start:end] = self.step
-            self.fetch_count = _grown(self.fetch_count, end, 2)
+            self.fetch_count = grown(self.fetch_count, end, 2)
             self.fetch_count[:, :, start:end] = 0
-        if self.speculator is not None:
-            self.partial_keys = _grown(self.partial_keys, end, 2)
-            self.partial_keys[:, :, start:end] = self.speculator.partial_keys(key_states)
+        self.policy.stored(self, slice(start, end), key_states)
+
+    def _encoded(self, key_states, value_states) -> torch.Tensor:
+        """Pool rows (B, kv_heads, T, 2, stored_dim) for new keys and values (B, kv_heads, T, d)."""
+        rows = torch.stack([key_states, value_states], dim=3)
+        return rows if self.policy.codec is None else self.policy.codec.encode(rows)
 
     def mark_padding(self, token_valid: torch.Tensor) -> None:
         """token_valid: (B, T) for the prompt tokens just stored (False at padding)."""
@@ -192,19 +184,22 @@ class OffloadedLayer(_Layer):
     def _update_decode(self, key_states, value_states):
         fetched = self.fetched if self.fetched is not None else self._fetch_all()
         self.fetched = None
-        self.runtime.wait(fetched)
+        self.decoding = fetched
+        self.runtime.wait(fetched, self.policy.codec)
         rows, valid = fetched.rows, fetched.valid
         rows[:, :, 0, -1] = key_states[:, :, 0]
         rows[:, :, 1, -1] = value_states[:, :, 0]
         valid[:, :, -1] = True
         self._store_token(key_states, value_states)
         self.attention_valid = valid
+        if self.policy.observes_attention:
+            self.attention_slots = torch.cat([fetched.indices, self.current_slots[..., None]], dim=-1)
         return rows[:, :, 0], rows[:, :, 1]
 
     def _store_token(self, key_states, value_states) -> None:
         self.step += 1
         self.length += 1
-        new_rows = torch.stack([key_states, value_states], dim=3)  # (B, kv_heads, 1, 2, d)
+        new_rows = self._encoded(key_states, value_states)  # (B, kv_heads, 1, 2, stored_dim)
         if self.max_tokens is None or self.used < self.max_tokens:
             self._append_metadata(self.used, self.used + 1, key_states)
             self.pool.reserve(self.used + 1)
@@ -212,10 +207,11 @@ class OffloadedLayer(_Layer):
             self.pool.write_slots(slots, new_rows)  # on CUDA: the GPU writes the pinned rows itself
             self.used += 1
         else:
-            victims = self._victims()  # (B, kv_heads)
-            self.pool.write_slots(victims, new_rows)
-            self._overwrite_metadata(victims, key_states)
-            self.stats.evicted_tokens += victims.shape[0]  # one token per batch row
+            slots = self._victims()  # (B, kv_heads)
+            self.pool.write_slots(slots, new_rows)
+            self._overwrite_metadata(slots, key_states)
+            self.stats.evicted_tokens += slots.shape[0]  # one token per batch row
+        self.current_slots = slots
         self.stats.written_rows += key_states.shape[0] * key_states.shape[1]
 
     def _victims(self) -> torch.Tensor:
@@ -235,9 +231,7 @@ class OffloadedLayer(_Layer):
         self.inserted.scatter_(-1, at, self.step)
         self.last_fetch.scatter_(-1, at, self.step)
         self.fetch_count.scatter_(-1, at, 0)
-        if self.speculator is not None:
-            partial = self.speculator.partial_keys(key_states)  # (B, kv_heads, 1, r)
-            self.partial_keys.scatter_(2, at[..., None].expand_as(partial), partial)
+        self.policy.stored(self, victims, key_states)
 
     def record_fetch(self, indices: torch.Tensor, fetched_valid: torch.Tensor) -> None:
         """Count fetches per slot (counter eviction) and note the step (LRU)."""
@@ -246,11 +240,8 @@ class OffloadedLayer(_Layer):
         self.last_fetch.scatter_(-1, indices, recent)
 
 
-def pool_tokens(
-    cpu_pool_gb: float | None, n_offloaded: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int | None:
+def pool_tokens(cpu_pool_gb: float | None, n_offloaded: int, batch: int, kv_heads: int, row_bytes: int) -> int | None:
     """Tokens per (batch row, KV head, layer) that a CPU pool of ``cpu_pool_gb`` holds."""
     if cpu_pool_gb is None or n_offloaded == 0:
         return None
-    row_bytes = 2 * head_dim * torch.finfo(dtype).bits // 8
-    return math.floor(cpu_pool_gb * 2**30 / (n_offloaded * batch * kv_heads * row_bytes))
+    return int(cpu_pool_gb * 2**30 // (n_offloaded * batch * kv_heads * row_bytes))

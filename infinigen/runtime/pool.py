@@ -39,6 +39,11 @@ class KVPool:
         return len(self.blocks) * self.block_tokens
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one (token, KV head) row: its K and V."""
+        return 2 * self.shape[-1] * self.dtype.itemsize
+
+    @property
     def nbytes(self) -> int:
         return sum(block.nbytes for block in self.blocks)
 

@@ -32,6 +32,14 @@ def rotated_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope) 
     return q * cos + rotate_half(q) * sin
 
 
+def exact_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope) -> torch.Tensor:
+    """A layer's query for one token scaled so that ``query @ key`` is the attention logit:
+    attention input (B, hidden) -> (B, heads, d)."""
+    if spec.rope:
+        return rotated_query(attention, spec, x, rope) * spec.head_dim**-0.5
+    return (attention.q_proj(x) * attention.scaling).view(x.shape[0], spec.n_heads, -1)  # OPT scales after
+
+
 class LayerSpeculator(nn.Module):
     """Partial query and key projections of one layer, on the compute device."""
 

@@ -5,10 +5,16 @@ from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.policies.base import Policy, Selection
 from infinigen.runtime.policies.dense import DensePolicy
 from infinigen.runtime.policies.full import FullPolicy
+from infinigen.runtime.policies.h2o import H2OPolicy
 from infinigen.runtime.policies.infinigen import InfinigenPolicy
+from infinigen.runtime.policies.int4 import Int2Policy, Int4Policy
 from infinigen.runtime.policies.oracle import OraclePolicy
+from infinigen.runtime.policies.quest import QuestPolicy
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (DensePolicy, FullPolicy, InfinigenPolicy, OraclePolicy)}
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p
+    for p in (DensePolicy, FullPolicy, InfinigenPolicy, H2OPolicy, QuestPolicy, OraclePolicy, Int4Policy, Int2Policy)
+}
 
 
 def make_policy(config: RuntimeConfig) -> Policy:

@@ -1,9 +1,20 @@
-"""The one interface every KV selection policy implements."""
+"""The one interface every KV selection policy implements.
+
+A policy instance serves one offloaded layer and keeps that layer's selection state (partial keys,
+page summaries, attention scores). The runtime calls, per layer:
+
+- ``stored`` whenever keys land in the cache (prefill, decode append, eviction overwrite);
+- ``select`` once per decode step, one layer ahead (``lookahead``) or at the layer itself;
+- ``attended`` after each attention, with the attention mass per slot (only if ``observes_attention``).
+
+A policy with a ``codec`` stores and moves its rows compressed; the runtime decodes them on the
+compute device after the transfer.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
@@ -20,10 +31,30 @@ class Selection:
     indices: (B, kv_heads, K) slots, ascending within each row; None means every slot (bulk fetch).
     count: (B,) int32 on the compute device: per batch row, only the first ``count`` rows of each head
         are fetched (a data-dependent number that never goes to the host); None means all K.
+    valid: (B, kv_heads, K) bool: selected slots to leave out of attention (e.g. past the last token
+        of a page); None means all are attended.
     """
 
     indices: torch.Tensor | None = None
     count: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
+
+class RowCodec(Protocol):
+    """How a policy stores K/V rows in the CPU pool: rows of ``head_dim`` values become rows of
+    ``stored_dim`` elements of the same dtype (bytes reinterpreted), decoded on the compute device."""
+
+    bits_per_value: float  # stored bits per K or V value, overheads included
+
+    def stored_dim(self, head_dim: int, dtype: torch.dtype) -> int: ...
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """(..., head_dim) -> (..., stored_dim), same dtype."""
+        ...
+
+    def decode(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+        """out (..., head_dim) <- stored (..., stored_dim)."""
+        ...
 
 
 class Policy:
@@ -33,6 +64,9 @@ class Policy:
     offloads: ClassVar[bool] = True  # False: every layer keeps its whole KV on the compute device
     speculates: ClassVar[bool] = False  # True: needs the artifact and partial keys
     lookahead: ClassVar[bool] = True  # select one layer ahead (from the previous layer); False: at the layer
+    observes_attention: ClassVar[bool] = False  # True: ``attended`` receives the attention mass per slot
+    budgeted: ClassVar[bool] = False  # True: fetches the ``budget`` share of the cached tokens
+    codec: RowCodec | None = None
 
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
@@ -43,3 +77,11 @@ class Policy:
         """attention_input (B, hidden): with ``lookahead``, the residual stream entering the previous layer
         under this layer's attention norm (an approximation); otherwise this layer's exact input."""
         return Selection()
+
+    def stored(self, layer: OffloadedLayer, slots: slice | torch.Tensor, keys: torch.Tensor) -> None:
+        """keys (B, kv_heads, T, d) now cached at ``slots``: a slice of new slots, or (B, kv_heads)
+        overwritten slots (T = 1)."""
+
+    def attended(self, layer: OffloadedLayer, slots: torch.Tensor | None, mass: torch.Tensor) -> None:
+        """mass (B, kv_heads, S): attention probability each attended slot received, summed over the
+        step's queries and each KV head's query group; slots (B, kv_heads, S), or None for 0 .. S-1."""

@@ -7,12 +7,24 @@ import math
 
 import torch
 
+from infinigen.runtime.buffers import store_slots
 from infinigen.runtime.policies.base import Policy, Selection
 
 
 class InfinigenPolicy(Policy):
     name = "infinigen"
     speculates = True
+    budgeted = True
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.partial_key_cache: torch.Tensor | None = None  # (B, kv_heads, n, r) on the compute device
+
+    def stored(self, layer, slots, keys) -> None:
+        partial = layer.speculator.partial_keys(keys)  # (B, kv_heads, T, r)
+        if self.partial_key_cache is None:
+            self.partial_key_cache = partial.new_zeros(*partial.shape[:2], 0, partial.shape[-1])
+        self.partial_key_cache = store_slots(self.partial_key_cache, slots, partial)
 
     def select(self, layer, attention_input, rope) -> Selection:
         n, cfg = layer.used, self.config
@@ -20,7 +32,7 @@ class InfinigenPolicy(Policy):
         partial_query = layer.speculator.partial_query(attention_input, rope)  # (B, heads, r)
         indices, count = select_tokens(
             partial_query,
-            layer.partial_keys[:, :, :n],
+            self.partial_key_cache[:, :, :n],
             layer.valid[:, :, :n],
             k_max,
             cfg.budget,

@@ -1,0 +1,31 @@
+"""Growable device buffers indexed by cache slot (the last-but-one or last dimension)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def grown(tensor: torch.Tensor, length: int, dim: int, fill=0) -> torch.Tensor:
+    """``tensor`` with dimension ``dim`` at least ``length``, old contents kept.
+
+    Grows by an eighth (at least 256): appends stay amortised O(1) without doubling a large cache.
+    """
+    if tensor.shape[dim] >= length:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = max(length, shape[dim] + max(256, shape[dim] // 8))
+    bigger = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+    bigger.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+    return bigger
+
+
+def store_slots(tensor: torch.Tensor, slots: slice | torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per-slot metadata (B, kv_heads, n, *rest) <- values (B, kv_heads, T, *rest) at ``slots``: a slice of
+    new slots (the buffer grows to hold them), or (B, kv_heads) slots to overwrite (T = 1).
+    Returns the (possibly new) buffer."""
+    if isinstance(slots, slice):
+        tensor = grown(tensor, slots.stop, 2)
+        tensor[:, :, slots] = values
+        return tensor
+    index = slots.view(*slots.shape, 1, *([1] * (values.dim() - 3))).expand_as(values)
+    return tensor.scatter_(2, index, values)

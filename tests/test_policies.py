@@ -1,0 +1,148 @@
+"""Every KV policy's own selection logic, and the whole matrix through one runtime path."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import DEVICES
+from test_runtime import greedy, padded_batch, teacher_forced_argmax, tiny_setup
+
+from infinigen.runtime import POLICIES, RuntimeConfig, cache_for
+from infinigen.runtime.policies.h2o import H2OPolicy
+from infinigen.runtime.policies.int4 import GroupQuantizer
+from infinigen.runtime.policies.quest import PAGE, QuestPolicy
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny_llama(request, tokenizer):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return tiny_setup(tokenizer, "llama", request.param)
+
+
+def fake_layer(n: int, batch: int = 1, kv_heads: int = 1) -> SimpleNamespace:
+    """What a policy reads from its offloaded layer, without a model."""
+    slots = torch.arange(4096)
+    return SimpleNamespace(
+        used=n,
+        valid=torch.ones(batch, kv_heads, n, dtype=torch.bool),
+        runtime=SimpleNamespace(all_slots=lambda k: slots[:k]),
+    )
+
+
+def test_h2o_keeps_heavy_hitters_and_the_recent_window_and_forgets_evictions():
+    policy = H2OPolicy(RuntimeConfig(policy="h2o", budget=0.5, min_tokens=1))
+    layer = fake_layer(20)
+    policy.stored(layer, slice(0, 20), torch.zeros(1, 1, 20, 4))
+    heavy = [0, 3, 7, 9, 12]
+    mass = torch.full((1, 1, 20), 0.01)
+    mass[..., heavy] = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.3])
+    mass[..., 15] = 0.5  # recent now; later heavier than slot 12
+    policy.attended(layer, None, mass)
+    first = policy.select(layer, None, None)  # keep 10 = 5 recent (15..19) + 5 heaviest
+    assert first.count.tolist() == [10]
+    assert first.indices[0, 0, :10].tolist() == heavy + [15, 16, 17, 18, 19]
+
+    layer.used, layer.valid = 21, torch.ones(1, 1, 21, dtype=torch.bool)
+    policy.stored(layer, slice(20, 21), torch.zeros(1, 1, 1, 4))  # one decoded token
+    slots = first.indices[..., :10]
+    step_mass = torch.zeros(1, 1, 10)
+    step_mass[..., 0] = 0.1  # slot 0 stays heavy
+    policy.attended(layer, slots, step_mass)
+    second = policy.select(layer, None, None)
+    # 16..20 recent; 15 leaves the window and pushes out the lightest heavy hitter, 12
+    assert second.count.tolist() == [10]
+    assert second.indices[0, 0, :10].tolist() == [0, 3, 7, 9, 15, 16, 17, 18, 19, 20]
+    policy.scores[..., 12] = 100.0  # gone for good, however heavy afterwards
+    assert 12 not in policy.select(layer, None, None).indices[0, 0, :10].tolist()
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [128, 64, 16])
+def test_group_quantizer_round_trip_error_is_at_most_half_a_step(bits, dtype, head_dim):
+    codec = GroupQuantizer(bits)
+    rows = (torch.randn(2, 3, 7, 2, head_dim, generator=torch.Generator().manual_seed(bits)) * 3).to(dtype)
+    stored = codec.encode(rows)
+    assert stored.dtype == dtype and stored.shape == (*rows.shape[:-1], codec.stored_dim(head_dim, dtype))
+    if head_dim >= 64:  # whole groups of 64: exactly the advertised bits
+        assert stored.numel() * dtype.itemsize * 8 == rows.numel() * codec.bits_per_value
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    codec.decode(stored, out)
+    _, _, scale = codec.quantize(rows)
+    step = scale.float().repeat_interleave(min(64, head_dim), dim=-1)
+    error = (out - rows.float()).abs()
+    assert (error <= step / 2 * (1 + 1e-3) + 1e-6).all()
+    assert error.max() > 0  # it does quantize
+
+
+def test_quest_page_bounds_bound_every_token_of_their_page():
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, group, d, n = 2, 2, 3, 8, 75
+    keys = torch.randn(batch, kv_heads, n, d, generator=generator)
+    policy = QuestPolicy(RuntimeConfig(policy="quest"))
+    layer = fake_layer(n, batch, kv_heads)
+    policy.stored(layer, slice(0, 40), keys[:, :, :40])  # a prefill, ending mid-page
+    for t in range(40, n):  # decode appends
+        policy.stored(layer, slice(t, t + 1), keys[:, :, t : t + 1])
+    victims = torch.tensor([[3, 50], [17, 74]])  # overwrites widen the bounds
+    new_keys = torch.randn(batch, kv_heads, 1, d, generator=generator) * 3
+    policy.stored(layer, victims, new_keys)
+    keys.scatter_(2, victims[..., None, None].expand(-1, -1, 1, d), new_keys)
+    query = torch.randn(batch, kv_heads * group, d, generator=generator)
+    pages = -(-n // PAGE)
+    bounds = policy.upper_bounds(query, pages)  # (B, kv_heads, pages)
+    logits = torch.einsum("bkgd,bktd->bkgt", query.view(batch, kv_heads, group, d), keys).amax(dim=2)
+    padded = torch.nn.functional.pad(logits, (0, pages * PAGE - n), value=-torch.inf)
+    page_best = padded.unflatten(2, (pages, PAGE)).amax(dim=-1)
+    assert (bounds >= page_best - 1e-5).all()
+    assert ((bounds - page_best) < 0.5 * bounds.abs().mean()).float().mean() > 0.2  # and not uselessly loose
+
+
+def test_quest_selects_whole_pages_within_the_cache(tiny_llama):
+    model, artifact = tiny_llama
+    cache = cache_for(model, artifact, policy="quest", budget=0.3)
+    device = model.device
+    greedy(model, {"input_ids": torch.randint(3, 512, (2, 45), device=device)}, cache, new_tokens=3)
+    layer = cache.offloaded[0]
+    selection = layer.policy.select(layer, torch.randn(2, model.config.hidden_size, device=device), cache.rope)
+    pages = selection.indices.unflatten(-1, (-1, PAGE))
+    whole = pages == pages[..., :1] + torch.arange(PAGE, device=device)
+    assert whole.where(selection.valid.unflatten(-1, (-1, PAGE)), True).all()
+    assert (pages[..., 0] % PAGE == 0).all() and selection.indices.max() < layer.used
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_decodes_within_its_budget(tiny_llama, policy):
+    """The shared matrix: each policy through generate() on a padded batch, its fetches within budget."""
+    model, artifact = tiny_llama
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 64)]
+    cache = cache_for(model, artifact, policy=policy, budget=0.25)
+    out = greedy(model, padded_batch(prompts, pad=1, device=model.device), cache, new_tokens=6)
+    assert out.shape == (2, 6)
+    stats = cache.summary()
+    if not POLICIES[policy].offloads:
+        assert stats["bytes_host_to_device"] == 0
+        return
+    fraction = stats["fraction_fetched"]
+    assert 0 < fraction <= (0.25 + PAGE / 64 if POLICIES[policy].budgeted else 1.0)
+    codec = POLICIES[policy].codec
+    assert stats["fraction_bytes"] == pytest.approx(fraction * (codec.bits_per_value / 16 if codec else 1), abs=1e-3)
+
+
+@pytest.mark.parametrize(("policy", "agreement"), [("int4", 0.9), ("int2", 0.5)])
+def test_quantized_kv_tracks_dense_and_moves_fewer_bytes(tokenizer, policy, agreement, device):
+    model, artifact = tiny_setup(tokenizer, "qwen2", device)
+    ids = torch.randint(3, 512, (2, 72), generator=torch.Generator().manual_seed(2)).to(device)
+    dense = teacher_forced_argmax(model, ids, 40, cache_for(model, artifact, policy="full"))
+    full_bytes = cache_for(model, artifact, policy="full")
+    teacher_forced_argmax(model, ids, 40, full_bytes)
+    quantized = cache_for(model, artifact, policy=policy)
+    assert float((teacher_forced_argmax(model, ids, 40, quantized) == dense).float().mean()) >= agreement
+    moved, full_moved = quantized.summary()["bytes_host_to_device"], full_bytes.summary()["bytes_host_to_device"]
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    stored = quantized.policy.codec.stored_dim(head_dim, model.dtype)
+    assert moved == full_moved * stored // head_dim
