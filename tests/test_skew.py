@@ -11,6 +11,7 @@ import torch
 from conftest import ARCHITECTURES
 
 from infinigen.architectures import model_spec
+from infinigen.errors import InfinigenError
 from infinigen.prepare import capture_calibration, prepare_artifact, skew_layer
 from infinigen.prepare.calibration import load_samples
 from infinigen.prepare.fold import skew_model_in_place
@@ -71,6 +72,23 @@ def test_skew_matrices_are_orthogonal(tiny):
         a = artifact.skew_matrix(layer).double()
         eye = torch.eye(a.shape[-1], dtype=torch.float64).expand_as(a)
         torch.testing.assert_close(a.mT @ a, eye, atol=1e-5, rtol=0)
+
+
+def test_ablations_skip_the_skew_or_draw_random_channels_in_every_layer(tiny):
+    loaded = tiny("llama")
+    svd = prepare_artifact(loaded, tokens=128)
+    identity = prepare_artifact(loaded, tokens=128, skew="identity")
+    random = prepare_artifact(loaded, tokens=128, channel_rule="random")
+    assert svd.manifest.method == {"skew": "svd", "channels": "top"}
+    assert identity.manifest.method == {"skew": "identity", "channels": "top"}
+    for layer in range(3):
+        eye = torch.eye(16).expand(2, 16, 16)
+        assert not torch.allclose(svd.skew_matrix(layer), eye, atol=1e-3)
+        assert torch.equal(identity.skew_matrix(layer), eye)
+        torch.testing.assert_close(random.skew_matrix(layer), svd.skew_matrix(layer))
+    assert any(not torch.equal(random.channels(i), svd.channels(i)) for i in range(3))
+    with pytest.raises(InfinigenError, match="skew must be one of"):
+        prepare_artifact(loaded, tokens=128, skew="pca")
 
 
 def test_channel_indices_shape_and_range(tiny):

@@ -32,6 +32,9 @@ def render_card(manifest: Manifest) -> str:
         f"| architecture | {spec['model_type']}: {spec['n_layers']} layers, {spec['n_heads']} heads, "
         f"{spec['n_kv_heads']} KV heads, head_dim {spec['head_dim']} |",
         f"| kept channels | {manifest.n_channels} of {spec['head_dim']} (ratio {manifest.ratio}) |",
+        f"| method | skew {manifest.method['skew']}, channels {manifest.method['channels']}"
+        + (" (an ablation, not InfiniGen)" if manifest.method != {"skew": "svd", "channels": "top"} else "")
+        + " |",
         f"| calibration | {sources} |",
         f"| created | {manifest.created} with {', '.join(f'{k} {v}' for k, v in manifest.versions.items())} |",
         "",

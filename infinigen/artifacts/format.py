@@ -53,6 +53,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     tensors_file: str = TENSORS
     extra: dict = field(default_factory=dict)
+    method: dict = field(default_factory=lambda: {"skew": "svd", "channels": "top"})  # others: ablations
 
     @property
     def model_spec(self) -> ModelSpec:

@@ -18,7 +18,7 @@ from infinigen.models import LoadedModel
 from infinigen.prepare.calibration import CalibrationSample, load_samples
 from infinigen.prepare.capture import capture_qk
 from infinigen.prepare.fold import partial_query_weight
-from infinigen.prepare.skew import HeadSkew, group_queries, skew_head
+from infinigen.prepare.skew import CHANNEL_RULES, SKEWS, HeadSkew, group_queries, skew_head
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -45,8 +45,10 @@ def capture_calibration(loaded: LoadedModel, samples: list[CalibrationSample], p
     }
 
 
-def skew_layer(queries: torch.Tensor, keys: torch.Tensor, n_kv_heads: int, n_channels: int) -> list[HeadSkew]:
-    return [skew_head(group_q, keys[h], n_channels) for h, group_q in enumerate(group_queries(queries, n_kv_heads))]
+def skew_layer(queries: torch.Tensor, keys: torch.Tensor, n_kv_heads: int, n_channels: int, **method) -> list[HeadSkew]:
+    """``method``: ``skew_head``'s skew, channel_rule and generator."""
+    groups = group_queries(queries, n_kv_heads)
+    return [skew_head(group_q, keys[h], n_channels, **method) for h, group_q in enumerate(groups)]
 
 
 def prepare_artifact(
@@ -57,11 +59,19 @@ def prepare_artifact(
     calibration: list[Path] | None = None,
     samples: list[CalibrationSample] | None = None,
     progress: Progress | None = None,
+    skew: str = "svd",
+    channel_rule: str = "top",
 ) -> Artifact:
     """Run calibration text through the model and build its skew artifact (not yet written).
 
     ``samples`` (already tokenized) replace the calibration texts, e.g. for random-weight models.
+    ``skew="identity"`` / ``channel_rule="random"`` build the ablations (no skew; random channels).
     """
+    if skew not in SKEWS or channel_rule not in CHANNEL_RULES:
+        raise InfinigenError(
+            f"skew must be one of {', '.join(SKEWS)} and channels one of {', '.join(CHANNEL_RULES)}, "
+            f"got {skew!r} and {channel_rule!r}"
+        )
     spec = model_spec(loaded.model.config)
     n_channels = n_channels_for(ratio, spec.head_dim)
     samples = samples or load_samples(loaded.tokenizer, calibration, tokens=tokens)
@@ -69,16 +79,18 @@ def prepare_artifact(
     layers = decoder_layers(loaded.model)
     tensors: dict[str, torch.Tensor] = {}
     energy = []
+    generator = torch.Generator().manual_seed(0)
     for i in range(spec.n_layers):
-        heads = skew_layer(*captured.pop(i), spec.n_kv_heads, n_channels)
-        skew = torch.stack([h.skew_matrix for h in heads])
+        method = {"skew": skew, "channel_rule": channel_rule, "generator": generator}
+        heads = skew_layer(*captured.pop(i), spec.n_kv_heads, n_channels, **method)
+        skew_matrices = torch.stack([h.skew_matrix for h in heads])
         channels = torch.stack([h.channels for h in heads])
-        tensors[f"layers.{i}.skew_matrix"] = skew
+        tensors[f"layers.{i}.skew_matrix"] = skew_matrices
         tensors[f"layers.{i}.channels"] = channels
         if not spec.rope:
             attn = layers[i].self_attn
             tensors[f"layers.{i}.partial_query_weight"] = partial_query_weight(
-                attn.q_proj, attn.scaling, skew, channels
+                attn.q_proj, attn.scaling, skew_matrices, channels
             )
         energy.append(
             {
@@ -99,6 +111,7 @@ def prepare_artifact(
             "tokens": sum(s.tokens for s in samples),
         },
         energy=energy,
+        method={"skew": skew, "channels": channel_rule},
         versions=_versions(),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )

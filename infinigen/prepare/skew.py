@@ -22,6 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
+SKEWS = ("svd", "identity")  # identity: no skewing (an ablation)
+CHANNEL_RULES = ("top", "random")  # random: kept channels drawn at random (an ablation)
+
 
 @dataclass(frozen=True)
 class HeadSkew:
@@ -65,15 +68,28 @@ def score_energy(queries: torch.Tensor, keys: torch.Tensor, channels: torch.Tens
     return float(1 - product[dropped][:, dropped].sum() / product.sum())
 
 
-def skew_head(queries: torch.Tensor, keys: torch.Tensor, n_channels: int) -> HeadSkew:
+def skew_head(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    n_channels: int,
+    *,
+    skew: str = "svd",
+    channel_rule: str = "top",
+    generator: torch.Generator | None = None,
+) -> HeadSkew:
     """Skew and outlier channels for one KV head.
 
     queries: (rows, d), all query heads of the group stacked; keys: (tokens, d).
+    ``skew``/``channel_rule`` other than svd/top are ablations: no skew, random channels.
     """
     queries, keys = queries.double(), keys.double()
-    skew_matrix = right_singular_vectors(queries)
+    head_dim = queries.shape[-1]
+    skew_matrix = right_singular_vectors(queries) if skew == "svd" else torch.eye(head_dim, dtype=torch.float64)
     skewed_q, skewed_k = queries @ skew_matrix, keys @ skew_matrix
-    channels = top_channels(skewed_q, skewed_k, n_channels)
+    if channel_rule == "top":
+        channels = top_channels(skewed_q, skewed_k, n_channels)
+    else:
+        channels = torch.randperm(head_dim, generator=generator)[:n_channels].sort().values
     return HeadSkew(
         skew_matrix=skew_matrix.float(),
         channels=channels,
