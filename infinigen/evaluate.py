@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
+from infinigen.recall import RecallProbe
 from infinigen.runtime import RuntimeConfig, cache_argument, cache_for
 
 GUTENBERG = re.compile(r"\*\*\* ?START OF.*?\*\*\*(.*)\*\*\* ?END OF", re.S)
@@ -51,14 +53,45 @@ def dense_forward_nll(model: PreTrainedModel, ids: torch.Tensor, prefix: int) ->
     return _nll(logits, ids[:, prefix:])
 
 
+def _next_logits(model: PreTrainedModel, cache, ids: torch.Tensor) -> torch.Tensor:
+    """Feed ``ids`` (B, T) through the runtime: the next-token logits after the last one, (B, V)."""
+    return model(ids, **{cache_argument(model): cache}, logits_to_keep=1).logits[:, -1]
+
+
+def stepwise_logits(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int) -> Iterator[torch.Tensor]:
+    """Prefill ids[:, :prefix] densely, then feed ids[:, prefix:] one token per decode step; yields the
+    next-token logits (B, V) after the prefill and after every step."""
+    yield _next_logits(model, cache, ids[:, :prefix])
+    for t in range(prefix, ids.shape[1]):
+        yield _next_logits(model, cache, ids[:, t : t + 1])
+
+
 @torch.no_grad()
 def teacher_forced_nll(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int) -> torch.Tensor:
     """Through the runtime: prefill ids[:, :prefix], then one true token per step. (B, T - prefix)."""
-    name = cache_argument(model)
-    logits = [model(ids[:, :prefix], **{name: cache}, logits_to_keep=1).logits[:, -1:]]
-    for t in range(prefix, ids.shape[1] - 1):
-        logits.append(model(ids[:, t : t + 1], **{name: cache}).logits[:, -1:])
-    return _nll(torch.cat(logits, dim=1), ids[:, prefix:])
+    logits = torch.stack(list(stepwise_logits(model, cache, ids[:, :-1], prefix)), dim=1)
+    return _nll(logits, ids[:, prefix:])
+
+
+def continuation_logprob(model: PreTrainedModel, cache, context_ids: list[int], continuation_ids: list[int]) -> float:
+    """log p(continuation | context) through the runtime, batch 1. All of the context but its last token
+    is prefilled densely, so a sparse decode step predicts every continuation token."""
+    if len(context_ids) < 2 or not continuation_ids:
+        raise InfinigenError("scoring needs a context of at least 2 tokens and a non-empty continuation")
+    ids = torch.tensor([context_ids + continuation_ids], device=model.device)
+    nll = teacher_forced_nll(model, cache, ids, prefix=len(context_ids) - 1)
+    return -float(nll[0, 1:].sum())  # nll[0, 0] scores the last context token
+
+
+@torch.no_grad()
+def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, new_tokens: int) -> torch.Tensor:
+    """Through the runtime: prefill ids[:, :prefix], feed the rest one token per decode step, then
+    decode ``new_tokens`` greedy tokens one per step. (B, new_tokens)."""
+    *_, logits = stepwise_logits(model, cache, ids, prefix)
+    tokens = [logits.argmax(-1, keepdim=True)]
+    for _ in range(new_tokens - 1):
+        tokens.append(_next_logits(model, cache, tokens[-1]).argmax(-1, keepdim=True))
+    return torch.cat(tokens, dim=1)
 
 
 def pool_settings(model: PreTrainedModel, tokens: int, batch: int, block_tokens: int = 16) -> dict:
@@ -81,22 +114,27 @@ def perplexity(
     batch: int,
     block: int = 256,
     pool_fraction: float | None = None,
+    recall: bool = False,
     **settings,
 ) -> dict:
     """Perplexity of the decoded part of every window, per policy settings (``RuntimeConfig`` fields).
 
     ``pool_fraction`` limits the CPU pool to that share of a window's tokens (the paper's 80% pool),
-    so the decode evicts by ``settings["eviction"]``.
+    so the decode evicts by ``settings["eviction"]``. ``recall`` adds the selection recall against
+    the exact top-k, per offloaded layer and on average.
     """
-    nll, fractions, evicted = [], [], 0
+    nll, fractions, bytes_fractions, evicted = [], [], [], 0
+    probe = RecallProbe() if recall else None
     for start in range(0, ids.shape[0], batch):
         chunk = ids[start : start + batch].to(model.device)
         if pool_fraction is not None:
             settings |= pool_settings(model, int(pool_fraction * ids.shape[1]), chunk.shape[0])
         cache = cache_for(model, artifact, **settings)
+        cache.decode_probe = probe
         nll.append(teacher_forced_nll(model, cache, chunk, prefix).cpu())
         summary = cache.summary()
         fractions.append(summary["fraction_fetched"])
+        bytes_fractions.append(summary["fraction_bytes"])
         evicted += summary["evicted_tokens"]
     nll = torch.cat(nll)  # (windows, decoded)
     blocks = [float(b.mean().exp()) for b in nll.split(block, dim=1)]
@@ -106,6 +144,7 @@ def perplexity(
         "evicted_tokens": evicted,
         "perplexity": round(math.exp(float(nll.mean())), 4),
         "fraction_fetched": round(sum(fractions) / len(fractions), 4),
+        "fraction_bytes": round(sum(bytes_fractions) / len(bytes_fractions), 4),
         "tokens_scored": nll.numel(),
         "block_perplexity": [round(b, 3) for b in blocks],
-    }
+    } | ({"recall": probe.mean(), "recall_per_layer": probe.per_layer()} if probe is not None else {})

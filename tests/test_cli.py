@@ -193,7 +193,30 @@ def test_bench_tiny_on_cpu():
     assert rows[("full", None)]["fraction_fetched"] == 1.0
     assert 0 < rows[("infinigen", 0.2)]["fraction_fetched"] < rows[("infinigen", 0.5)]["fraction_fetched"] <= 0.51
     table = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies full")
-    assert table.exit_code == 0 and "tiny-llama float32, batch 1, context 32, on cpu" in table.stdout
+    assert table.exit_code == 0 and "tiny-llama float32 on cpu" in table.stdout
+
+
+def test_bench_sweeps_and_plots(tmp_path):
+    plot = tmp_path / "bench.png"
+    result = bench(f"--batch 1,2 --prompt-len 32,48 --gen-len 1 --policies full,h2o,int4 --plot {plot} --json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["results"]
+    assert sorted({(r["batch"], r["prompt_len"]) for r in rows}) == [(1, 32), (1, 48), (2, 32), (2, 48)]
+    assert len(rows) == 12 and plot.read_bytes()[:4] == b"\x89PNG"
+    replot = tmp_path / "again.png"
+    report = tmp_path / "report.json"
+    report.write_text(result.stdout)
+    assert invoke("plot", str(report), "--out", str(replot)).exit_code == 0 and replot.exists()
+
+
+def test_bench_micro_on_cpu():
+    result = bench("--micro --micro-contexts 64,128 --json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(r["context"], r["fraction"]) for r in report["gather"][:2]] == [(64, 0.01), (64, 0.02)]
+    assert len(report["gather"]) == 10 and all(r["ms"] > 0 and r["bytes"] > 0 for r in report["gather"])
+    assert [r["context"] for r in report["speculation"]] == [64, 128]
+    assert all(r["speculation_ms"] > 0 and r["dense_layer_ms"] > 0 for r in report["speculation"])
 
 
 def test_generate_out_of_memory_is_one_line(prepared, tmp_path, monkeypatch):
@@ -222,3 +245,49 @@ def test_eval_ppl(prepared, tmp_path):
     assert report["windows"] == 3 and all(r["tokens_scored"] == 3 * 32 for r in report["results"])
     bad = invoke(*args.split(), "--prefix", "64", "--device", "cpu")
     assert bad.exit_code == 2 and "--prefix must be in" in bad.output
+
+
+def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
+    folder, out = prepared("llama")
+    data = tmp_path / "toy.jsonl"
+    rows = [
+        {"context": f"the house was old and the street {i}", "choices": [" was", " the"], "label": i % 2}
+        for i in range(4)
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = f"eval tasks {folder} --artifact {out} --data {data} --shots 2 --limit 3 --budgets 0.5,1 --device cpu"
+    result = invoke(*args.split(), "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(r["policy"], r["budget"]) for r in report["results"]] == [
+        ("dense", 1.0),
+        ("infinigen", 0.5),
+        ("infinigen", 1.0),
+    ]
+    toy = [r["tasks"]["toy"] for r in report["results"]]
+    assert all(t["examples"] == 3 and 0 <= t["acc"] <= 1 for t in toy) and toy[0]["acc"] == toy[2]["acc"]
+    assert report["results"][1]["average"]["fraction_fetched"] == toy[1]["fraction_fetched"] > 0
+    assert "acc_norm" in invoke(*args.split()).stdout
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    missing = invoke(*f"eval tasks {folder} --tasks copa --device cpu".split())
+    assert missing.exit_code == 2 and "pip install" in missing.output and "Traceback" not in missing.output
+
+
+def test_eval_needle(prepared, tmp_path):
+    folder, out = prepared("qwen3")
+    text = tmp_path / "book.txt"
+    text.write_text("The house was old. The street was narrow, and the walls were thin. " * 60)
+    args = f"eval needle {folder} --artifact {out} --text {text} --device cpu"
+    result = invoke(
+        *args.split(), "--lengths", "96,128", "--depths", "0,1", "--budgets", "0.5", "--trials", "2", "--json"
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("dense", 1.0), ("infinigen", 0.5)]
+    assert all(len(r["cells"]) == 4 and len(r["answers"]) == 8 for r in report["results"])
+    table = invoke(*args.split(), "--lengths", "96", "--depths", "0.5", "--policies", "full").stdout
+    assert "needle in" in table and "fraction fetched" in table
+    too_long = invoke(*args.split(), "--lengths", "600")
+    assert too_long.exit_code == 2 and "exceeds the model's context of 512" in too_long.output
+    bad = invoke(*args.split(), "--depths", "half")
+    assert bad.exit_code == 2 and "--depths takes comma-separated float values" in bad.output

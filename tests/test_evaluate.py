@@ -47,3 +47,14 @@ def test_limited_pool_evicts_during_evaluation(tokenizer):
     report = perplexity(model, artifact, ids, 40, batch=2, pool_fraction=0.5, policy="infinigen", budget=0.5)
     assert report["evicted_tokens"] == 2 * (95 - 48)  # 48-slot pool, 95 tokens stored per row
     assert report["pool_fraction"] == 0.5 and report["perplexity"] > 1
+
+
+def test_selection_recall_is_one_for_the_oracle_and_below_for_speculation(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    ids = torch.randint(3, 512, (2, 96), generator=torch.Generator().manual_seed(4))
+    oracle = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="oracle", budget=0.25)
+    assert oracle["recall"] == 1.0 and set(oracle["recall_per_layer"]) == {2}
+    speculated = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="quest", budget=0.25)
+    assert 0 < speculated["recall"] < 1
+    exact = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="infinigen", **EXACT)
+    assert exact["recall"] == 1.0

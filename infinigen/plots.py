@@ -1,0 +1,87 @@
+"""PNG plots of `infinigen bench` and `infinigen eval` reports (their --json output).
+Needs matplotlib: ``pip install "infinigen[plot]"``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from infinigen.errors import InfinigenError
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise InfinigenError('plots need matplotlib: pip install "infinigen[plot]"') from exc
+    return plt
+
+
+def _label(row: dict) -> str:
+    budget = row.get("budget")
+    return row["policy"] if budget in (None, 1.0) else f"{row['policy']} {budget:g}"
+
+
+def _lines(rows: list[dict], x: str, y: str) -> dict[str, tuple[list[float], list[float]]]:
+    """One (xs, ys) series per policy label, sorted by x."""
+    series = defaultdict(list)
+    for row in rows:
+        if row.get(x) is not None and row.get(y) is not None:
+            series[_label(row)].append((row[x], row[y]))
+    return {label: ([p[0] for p in sorted(ps)], [p[1] for p in sorted(ps)]) for label, ps in series.items()}
+
+
+def plot_bench(report: dict, path: str | Path) -> Path:
+    """Decode tokens/s vs context length and vs batch, one line per policy (and budget)."""
+    plt = _pyplot()
+    rows = report["results"]
+    batches = sorted({r["batch"] for r in rows})
+    contexts = sorted({r["prompt_len"] for r in rows})
+    figure, (by_context, by_batch) = plt.subplots(1, 2, figsize=(11, 4.2))
+    widest_batch, longest = batches[-1], contexts[-1]
+    for label, points in _lines([r for r in rows if r["batch"] == widest_batch], "prompt_len", "decode_tok_s").items():
+        by_context.plot(*points, marker="o", label=label)
+    for label, points in _lines([r for r in rows if r["prompt_len"] == longest], "batch", "decode_tok_s").items():
+        by_batch.plot(*points, marker="o", label=label)
+    by_context.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="decode tokens/s")
+    by_context.set_title(f"batch {widest_batch}")
+    by_batch.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s")
+    by_batch.set_title(f"context {longest}")
+    by_batch.legend(fontsize=8)
+    figure.suptitle(f"{report['shape']} {report['dtype']} on {report['device']}")
+    return _save(figure, plt, path)
+
+
+def plot_accuracy(report: dict, path: str | Path, metric: str = "perplexity") -> Path:
+    """``metric`` vs fraction of the KV fetched (16-bit equivalent bytes), one line per policy."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6.5, 4.2))
+    rows = [dict(r, fraction=r.get("fraction_bytes", r.get("fraction_fetched"))) for r in report["results"]]
+    for row in rows:  # one line per policy and setting other than the budget
+        alpha = row.get("alpha", 1e9)
+        setting = ""
+        if row["policy"] == "infinigen" and (alpha is None or alpha < 1e6):
+            setting = " α default" if alpha is None else f" α {alpha:g}"
+        if row.get("pool_fraction"):
+            setting += f" pool {row['pool_fraction']:g} {row.get('eviction', '')}"
+        row.update(policy=row["policy"] + setting, budget=None)
+    for policy, points in _lines(rows, "fraction", metric).items():
+        if policy == "dense":
+            axes.axhline(points[1][0], color="black", linestyle="--", label="dense")
+        else:
+            axes.plot(*points, marker="o", label=policy)
+    axes.set(xlabel="fraction of the KV moved per step (16-bit equivalent)", ylabel=metric, yscale="log")
+    axes.set_title(f"{report.get('model', '')}: {metric} vs KV fetched")
+    axes.legend(fontsize=8)
+    return _save(figure, plt, path)
+
+
+def _save(figure, plt, path: str | Path) -> Path:
+    path = Path(path)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

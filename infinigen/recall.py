@@ -1,0 +1,50 @@
+"""Selection recall: how many of the tokens a policy fetched are the exact top-k by the true logits.
+
+Attached to a cache as its ``decode_probe``; at each decode attention of an offloaded layer it
+scores every cached key with the layer's true query (the oracle's rule: a KV head's token scores
+by its query group's best logit) and counts the fetched tokens that are among the k best, k being
+the number the policy fetched for that head. Accuracy diagnostics only: it reads the whole pool.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from infinigen.runtime.layers import OffloadedLayer
+from infinigen.runtime.policies.infinigen import group_scores
+
+
+class RecallProbe:
+    def __init__(self) -> None:
+        self.hits: dict[int, float] = defaultdict(float)
+        self.selected: dict[int, float] = defaultdict(float)
+
+    def __call__(self, layer: OffloadedLayer, query: torch.Tensor) -> None:
+        """query (B, H, 1, d): the layer's true query at this step (the current token is already stored)."""
+        if layer.policy.codec is not None:  # compressed rows: every token is fetched, nothing to recall
+            return
+        fetched = layer.decoding
+        n = layer.used - 1  # the slots the selection chose from
+        batch, kv_heads = layer.valid.shape[:2]
+        rows = query.new_empty(batch, kv_heads, 2, n, query.shape[-1])
+        layer.pool.gather(layer.runtime.all_slots(n).expand(batch, kv_heads, n), None, rows)
+        scores = group_scores(query[:, :, 0], rows[:, :, 0], layer.valid[:, :, :n])
+        chosen = fetched.valid[:, :, :-1]  # (B, kv_heads, K): fetched and attended
+        k = chosen.sum(dim=-1)  # (B, kv_heads)
+        k_max = int(k.max())
+        if k_max == 0:
+            return
+        ranked = scores.topk(k_max, dim=-1).indices
+        best = torch.zeros_like(scores, dtype=torch.bool)
+        best.scatter_(-1, ranked, torch.arange(k_max, device=k.device) < k[..., None])
+        self.hits[layer.index] += float((best.gather(-1, fetched.indices) & chosen).sum())
+        self.selected[layer.index] += float(k.sum())
+
+    def per_layer(self) -> dict[int, float]:
+        return {i: round(self.hits[i] / self.selected[i], 4) for i in sorted(self.selected) if self.selected[i]}
+
+    def mean(self) -> float | None:
+        values = list(self.per_layer().values())
+        return round(sum(values) / len(values), 4) if values else None

