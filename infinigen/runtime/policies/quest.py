@@ -55,8 +55,9 @@ class QuestPolicy(Policy):
         pages = math.ceil(n / PAGE)
         k_pages = min(pages, max(1, math.ceil(self.config.budget * n / PAGE)))
         query = exact_query(layer.attention, layer.runtime.spec, attention_input, rope)  # (B, heads, d)
-        filled = grown(layer.valid[:, :, :n], pages * PAGE, 2, fill=False)[:, :, : pages * PAGE]
-        empty = ~filled.unflatten(2, (pages, PAGE)).any(dim=-1)  # pages of padding only
+        valid = layer.valid  # slots past ``used`` are False; its capacity may end mid-page
+        filled = valid[:, :, : pages * PAGE] if valid.shape[2] >= pages * PAGE else grown(valid, pages * PAGE, 2)
+        empty = ~filled[:, :, : pages * PAGE].unflatten(2, (pages, PAGE)).any(dim=-1)  # pages of padding only
         chosen = self.upper_bounds(query, pages).masked_fill(empty, -math.inf).topk(k_pages, dim=-1).indices
         slots = (chosen.sort(dim=-1).values[..., None] * PAGE + layer.runtime.all_slots(PAGE)).flatten(2)
         return Selection(indices=slots.clamp(max=n - 1), valid=slots < n)  # ascending
