@@ -219,6 +219,16 @@ def _printed_json(report, as_json: bool) -> bool:
     return as_json
 
 
+def _print_rows(title: str, columns: dict[str, str], rows: list[dict]) -> None:
+    """A table of ``rows``: one column per header, showing that row key (blank where missing)."""
+    table = Table(title=title)
+    for header in columns:
+        table.add_column(header, overflow="fold")  # narrow terminals wrap values, never cut them
+    for row in rows:
+        table.add_row(*("" if row.get(key) is None else str(row[key]) for key in columns.values()))
+    console.print(table)
+
+
 def _progress(disable: bool) -> Progress:
     return Progress(
         TextColumn("{task.description}"),
@@ -369,73 +379,46 @@ def _micro(model, device: str, contexts: list[int], budget: float) -> dict:
 
 
 def _print_micro(report: dict) -> None:
-    gather = Table("context", "fraction", "MB", "ms", "GB/s", "of bulk copy", title="selective gather, one layer")
-    for row in report["gather"]:
-        share = f"{row['share_of_bulk']:.0%}"
-        mb = f"{row['bytes'] / 1e6:.2f}"
-        gather.add_row(str(row["context"]), str(row["fraction"]), mb, str(row["ms"]), str(row["gb_s"]), share)
-    console.print(gather)
-    speculation = Table(
-        "context", "speculation ms", "dense layer ms", "share", title="speculation vs a layer's compute"
-    )
-    for row in report["speculation"]:
-        speculation.add_row(
-            *(str(row[k]) for k in ("context", "speculation_ms", "dense_layer_ms")), f"{row['speculation_share']:.0%}"
-        )
-    console.print(speculation)
+    gather = [
+        row | {"mb": f"{row['bytes'] / 1e6:.2f}", "share": f"{row['share_of_bulk']:.0%}"} for row in report["gather"]
+    ]
+    columns = {"context": "context", "fraction": "fraction", "MB": "mb", "ms": "ms", "GB/s": "gb_s"}
+    _print_rows("selective gather, one layer", columns | {"of bulk copy": "share"}, gather)
+    speculation = [row | {"share": f"{row['speculation_share']:.0%}"} for row in report["speculation"]]
+    columns = {"context": "context", "speculation ms": "speculation_ms", "dense layer ms": "dense_layer_ms"}
+    _print_rows("speculation vs a layer's compute", columns | {"share": "share"}, speculation)
+
+
+BENCH_COLUMNS = {
+    "policy": "policy",
+    "budget": "budget",
+    "batch": "batch",
+    "context": "prompt_len",
+    "ms/step": "ms_per_step",
+    "tok/s": "decode_tok_s",
+    "fetched": "fraction_fetched",
+    "H2D MB/step": "h2d_mb_per_step",
+    "H2D GB/s": "h2d_gb_s",
+    "% of pinned BW": "share_of_pinned",
+    "wait ms/step": "wait_ms_per_step",
+    "prefill s": "prefill_s",
+    "peak GPU GB": "decode_peak_gpu_gb",
+}
 
 
 def _print_bench(report: dict) -> None:
     bandwidth = report["pinned_h2d_gb_s"]
-    table = Table(
-        "policy",
-        "budget",
-        "batch",
-        "context",
-        "ms/step",
-        "tok/s",
-        "fetched",
-        "H2D MB/step",
-        "H2D GB/s",
-        "% of pinned BW",
-        "wait ms/step",
-        "prefill s",
-        "peak GPU GB",
-        title=f"{report['shape']} {report['dtype']} on {report['device']}"
-        + (f" (pinned H2D {bandwidth:.1f} GB/s)" if bandwidth == bandwidth else ""),
-    )
-    for row in report["results"]:
-        share = row.get("h2d_gb_s", 0) / bandwidth * 100 if bandwidth == bandwidth else float("nan")
-        table.add_row(
-            row["policy"],
-            str(row["budget"] or ""),
-            str(row["batch"]),
-            str(row["prompt_len"]),
-            str(row["ms_per_step"]),
-            str(row["decode_tok_s"]),
-            str(row.get("fraction_fetched", "")),
-            str(row.get("h2d_mb_per_step", "")),
-            str(row.get("h2d_gb_s", "")),
-            f"{share:.0f}%" if "h2d_gb_s" in row and share == share else "",
-            str(row.get("wait_ms_per_step", "")),
-            str(row["prefill_s"]),
-            str(row["decode_peak_gpu_gb"]),
-        )
-    console.print(table)
+    measured = bandwidth == bandwidth  # NaN on CPU
+    rows = [
+        row | ({"share_of_pinned": f"{row['h2d_gb_s'] / bandwidth:.0%}"} if measured and "h2d_gb_s" in row else {})
+        for row in report["results"]
+    ]
+    title = f"{report['shape']} {report['dtype']} on {report['device']}"
+    _print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), BENCH_COLUMNS, rows)
     if report["breakdown"]:
-        split_table = Table(
-            "policy",
-            "budget",
-            "step ms",
-            "compute-only ms",
-            "transfer-only ms",
-            "step / max",
-            title="where the step goes",
-        )
-        keys = ("policy", "budget", "step_ms", "compute_only_ms", "transfer_only_ms", "step_over_max")
-        for row in report["breakdown"]:
-            split_table.add_row(*(str(row[k]) for k in keys))
-        console.print(split_table)
+        columns = {"policy": "policy", "budget": "budget", "step ms": "step_ms", "compute-only ms": "compute_only_ms"}
+        columns |= {"transfer-only ms": "transfer_only_ms", "step / max": "step_over_max"}
+        _print_rows("where the step goes", columns, report["breakdown"])
 
 
 @command
@@ -744,26 +727,10 @@ def ppl(
     }
     if _printed_json(report, as_json):
         return
-    table = Table(
-        "policy",
-        "budget",
-        "perplexity",
-        "fraction fetched",
-        "recall",
-        "tokens scored",
-        title=f"{report['model']}: {ids.shape[0]} x {window}-token windows of {text.name}, "
-        f"last {window - prefix} decoded",
-    )
-    for row in rows:
-        table.add_row(
-            row["policy"],
-            str(row["budget"]),
-            str(row["perplexity"]),
-            str(row["fraction_fetched"]),
-            str(row.get("recall", "")),
-            str(row["tokens_scored"]),
-        )
-    console.print(table)
+    title = f"{report['model']}: {ids.shape[0]} x {window}-token windows of {text.name}, last {window - prefix} decoded"
+    columns = {"policy": "policy", "budget": "budget", "perplexity": "perplexity"}
+    columns |= {"fraction fetched": "fraction_fetched", "recall": "recall", "tokens scored": "tokens_scored"}
+    _print_rows(title, columns, rows)
 
 
 @functools.partial(command, on=eval_app)
@@ -828,28 +795,14 @@ def tasks(
     report = {"model": loaded.source.model_id, "shots": shots, "limit": limit, "seed": seed, "results": rows}
     if _printed_json(report, as_json):
         return
-    table = Table(
-        "policy",
-        "budget",
-        "task",
-        "acc",
-        "acc_norm",
-        "examples",
-        "fraction fetched",
-        title=f"{report['model']}: {shots}-shot, first {limit} examples per task",
-    )
-    for row in rows:
-        for name, result in [*row["tasks"].items(), ("average", row["average"])]:
-            table.add_row(
-                row["policy"],
-                str(row["budget"]),
-                name,
-                str(result["acc"]),
-                str(result["acc_norm"]),
-                str(result.get("examples", "")),
-                str(result["fraction_fetched"]),
-            )
-    console.print(table)
+    flat = [
+        {"policy": row["policy"], "budget": row["budget"], "task": name, **result}
+        for row in rows
+        for name, result in [*row["tasks"].items(), ("average", row["average"])]
+    ]
+    columns = {k: k for k in ("policy", "budget", "task", "acc", "acc_norm", "examples")}
+    columns["fraction fetched"] = "fraction_fetched"
+    _print_rows(f"{report['model']}: {shots}-shot, first {limit} examples per task", columns, flat)
 
 
 @functools.partial(command, on=eval_app)
@@ -895,24 +848,18 @@ def needle(
     report = {"model": loaded.source.model_id, "text": str(text), "trials": trials, "results": rows}
     if _printed_json(report, as_json):
         return
-    table = Table(
-        "policy",
-        "budget",
-        "length",
-        *(f"depth {d:g}" for d in depth_fractions),
-        "fraction fetched",
-        "overall",
-        title=f"{report['model']}: needle in {text.name}, {trials} trial(s) per cell",
-    )
-    for row in rows:
-        for length in token_lengths:
-            cells = {c["depth"]: c["accuracy"] for c in row["cells"] if c["length"] == length}
-            table.add_row(
-                row["policy"],
-                str(row["budget"]),
-                str(length),
-                *(str(cells[d]) for d in depth_fractions),
-                str(row["fraction_fetched"]),
-                str(row["accuracy"]),
-            )
-    console.print(table)
+    flat = [
+        {
+            "policy": row["policy"],
+            "budget": row["budget"],
+            "length": length,
+            "fraction_fetched": row["fraction_fetched"],
+            "overall": row["accuracy"],
+            **{f"depth {c['depth']:g}": c["accuracy"] for c in row["cells"] if c["length"] == length},
+        }
+        for row in rows
+        for length in token_lengths
+    ]
+    columns = {k: k for k in ("policy", "budget", "length", *(f"depth {d:g}" for d in depth_fractions))}
+    columns |= {"fraction fetched": "fraction_fetched", "overall": "overall"}
+    _print_rows(f"{report['model']}: needle in {text.name}, {trials} trial(s) per cell", columns, flat)
