@@ -127,7 +127,7 @@ class InfinigenCache(Cache):
         if self.kept_gathers is not None:
             self.kept_gathers.append((layer.pool, indices, count, moved))
         ready = self._gather(layer, indices, count, moved) if self.move_rows else None
-        return Fetched(rows, valid, indices, ready, packed)
+        return Fetched(rows, valid, indices, ready, packed, layer.policy.codec)
 
     def _gather(self, layer: OffloadedLayer, indices, count, out) -> torch.cuda.Event | None:
         """The row move itself: inline on CPU; on CUDA on the transfer stream, after the compute
@@ -151,7 +151,7 @@ class InfinigenCache(Cache):
             self.slot_range = torch.arange(max(n, 2 * self.slot_range.numel()), device=self.device)
         return self.slot_range[:n]
 
-    def wait(self, fetched: Fetched, codec=None) -> None:
+    def wait(self, fetched: Fetched) -> None:
         """Make the compute stream wait for a prefetch (timed with events), then decode compressed rows."""
         if fetched.ready is not None:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -160,7 +160,7 @@ class InfinigenCache(Cache):
             after.record()
             self.wait_events.append((before, after))
         if fetched.packed is not None:
-            codec.decode(fetched.packed, fetched.rows[:, :, :, : fetched.packed.shape[3]])
+            fetched.codec.decode(fetched.packed, fetched.rows[:, :, :, : fetched.packed.shape[3]])
 
     def summary(self) -> dict:
         if self.wait_events:

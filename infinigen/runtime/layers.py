@@ -17,6 +17,7 @@ from infinigen.errors import InfinigenError
 from infinigen.runtime.buffers import grown
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.policies import Policy, Selection
+from infinigen.runtime.policies.base import RowCodec
 from infinigen.runtime.pool import KVPool
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import LayerStats
@@ -65,7 +66,8 @@ class Fetched:
     valid: torch.Tensor  # (B, kv_heads, K + 1) bool
     indices: torch.Tensor  # (B, kv_heads, K) the slots fetched
     ready: torch.cuda.Event | None  # recorded on the transfer stream when the moved rows are complete
-    packed: torch.Tensor | None = None  # (B, kv_heads, 2, K, stored_dim) as moved, for a policy's codec
+    packed: torch.Tensor | None = None  # (B, kv_heads, 2, K, stored_dim) as moved, decoded by ``codec``
+    codec: RowCodec | None = None
 
 
 class OffloadedLayer(_Layer):
@@ -131,7 +133,7 @@ class OffloadedLayer(_Layer):
             raise InfinigenError("multi-token steps after the CPU pool has evicted tokens are not supported")
         past = self._fetch_all() if self.length else None
         if past is not None:
-            self.runtime.wait(past, self.policy.codec)
+            self.runtime.wait(past)
         if self.max_tokens is not None and self.used + new > self.max_tokens:
             raise InfinigenError(
                 f"the CPU KV pool holds {self.max_tokens} tokens per sequence per layer, too few for "
@@ -185,7 +187,7 @@ class OffloadedLayer(_Layer):
         fetched = self.fetched if self.fetched is not None else self._fetch_all()
         self.fetched = None
         self.decoding = fetched
-        self.runtime.wait(fetched, self.policy.codec)
+        self.runtime.wait(fetched)
         rows, valid = fetched.rows, fetched.valid
         rows[:, :, 0, -1] = key_states[:, :, 0]
         rows[:, :, 1, -1] = value_states[:, :, 0]
