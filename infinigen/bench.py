@@ -77,6 +77,7 @@ SHAPES: dict[str, dict] = {
 }
 HF_BASELINES = ("hf-dynamic", "hf-offloaded")  # transformers' own caches, for reference
 BUDGETED = tuple(name for name, policy in POLICIES.items() if policy.budgeted)  # --budgets sweeps them
+CAPTURABLE = tuple(name for name, policy in POLICIES.items() if policy.capturable)
 
 
 def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
@@ -114,6 +115,7 @@ class BenchCase:
     warmup: int = 3
     budget: float = 0.2
     alpha: float | None = math.inf  # random weights: the budget fixes the count
+    cuda_graphs: bool = True  # capturable policies replay their selection from CUDA graphs
 
 
 def _make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase):
@@ -121,7 +123,9 @@ def _make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCa
         return DynamicCache(config=model.config)
     if case.policy == "hf-offloaded":
         return DynamicCache(config=model.config, offloading=True)
-    return cache_for(model, artifact, policy=case.policy, budget=case.budget, alpha=case.alpha)
+    return cache_for(
+        model, artifact, policy=case.policy, budget=case.budget, alpha=case.alpha, cuda_graphs=case.cuda_graphs
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -184,6 +188,7 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
         "batch": case.batch,
         "prompt_len": case.prompt_len,
         "budget": case.budget if case.policy in BUDGETED else None,
+        "cuda_graphs": case.cuda_graphs if case.policy in CAPTURABLE else None,
         "prefill_s": round(prefill_s, 3),
         "ms_per_step": round(step_s * 1e3, 2),
         "decode_tok_s": round(case.batch / step_s, 1),

@@ -296,6 +296,9 @@ def bench(
     ] = False,
     micro_contexts: Annotated[str, typer.Option(help="Context lengths of --micro.")] = "4096,16384,32768,131072",
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch.")] = None,
+    cuda_graphs: Annotated[
+        bool, typer.Option(help="Replay capturable policies' selection from CUDA graphs (off: launch each kernel).")
+    ] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """Decode throughput of each policy on one random-weight model, in one run, with the pinned
@@ -327,7 +330,7 @@ def bench(
     artifact = _random_artifact(model, shape)
     report["pinned_h2d_gb_s"] = round(pinned_bandwidth(device), 1)
     cases = [
-        BenchCase(setting["policy"], b, n, gen_len, budget=setting["budget"])
+        BenchCase(setting["policy"], b, n, gen_len, budget=setting["budget"], cuda_graphs=cuda_graphs)
         for n in _numbers(prompt_len, "--prompt-len", int)
         for b in _numbers(batch, "--batch", int)
         for setting in _policy_settings(policies, budgets, None)
@@ -392,6 +395,7 @@ def _print_micro(report: dict) -> None:
 BENCH_COLUMNS = {
     "policy": "policy",
     "budget": "budget",
+    "graphs": "cuda_graphs",
     "batch": "batch",
     "context": "prompt_len",
     "ms/step": "ms_per_step",

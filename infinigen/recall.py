@@ -37,7 +37,7 @@ class RecallProbe:
         if k_max == 0:
             return
         ranked = scores.topk(k_max, dim=-1).indices
-        best = torch.zeros_like(scores, dtype=torch.bool)
+        best = scores.new_zeros(batch, kv_heads, layer.capacity, dtype=torch.bool)  # fetched slots < capacity
         best.scatter_(-1, ranked, torch.arange(k_max, device=k.device) < k[..., None])
         self.hits[layer.index] += float((best.gather(-1, fetched.indices) & chosen).sum())
         self.selected[layer.index] += float(k.sum())

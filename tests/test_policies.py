@@ -27,6 +27,7 @@ def fake_layer(n: int, batch: int = 1, kv_heads: int = 1) -> SimpleNamespace:
     slots = torch.arange(4096)
     return SimpleNamespace(
         used=n,
+        capacity=n,
         valid=torch.ones(batch, kv_heads, n, dtype=torch.bool),
         runtime=SimpleNamespace(all_slots=lambda k: slots[:k]),
     )
@@ -108,10 +109,13 @@ def test_quest_selects_whole_pages_within_the_cache(tiny_llama):
     greedy(model, {"input_ids": torch.randint(3, 512, (2, 45), device=device)}, cache, new_tokens=3)
     layer = cache.offloaded[0]
     selection = layer.policy.select(layer, torch.randn(2, model.config.hidden_size, device=device), cache.rope)
+    assert (selection.count % PAGE == 0).all()
+    kept = torch.arange(selection.indices.shape[-1], device=device) < selection.count[:, None, None]
     pages = selection.indices.unflatten(-1, (-1, PAGE))
     whole = pages == pages[..., :1] + torch.arange(PAGE, device=device)
-    assert whole.where(selection.valid.unflatten(-1, (-1, PAGE)), True).all()
-    assert (pages[..., 0] % PAGE == 0).all() and selection.indices.max() < layer.used
+    assert whole.where(kept.unflatten(-1, (-1, PAGE)), True).all() and (pages[..., 0] % PAGE == 0).all()
+    attended = cache.fetch_mask(layer, selection)[..., :-1]
+    assert (selection.indices[attended] < layer.used).all() and selection.indices.max() < layer.capacity
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -146,3 +150,22 @@ def test_quantized_kv_tracks_dense_and_moves_fewer_bytes(tokenizer, policy, agre
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     stored = quantized.policy.codec.stored_dim(head_dim, model.dtype)
     assert moved == full_moved * stored // head_dim
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", [name for name, p in sorted(POLICIES.items()) if p.capturable])
+def test_captured_selection_decodes_as_launched_kernels(tiny_llama, policy):
+    """CUDA graphs replay the same selection, also across capacity changes (small pool blocks make
+    the captures repeat while decoding)."""
+    model, artifact = tiny_llama
+    if model.device.type != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    inputs = {"input_ids": torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(5)).cuda()}
+    settings = dict(policy=policy, budget=0.3, block_tokens=16)
+    captured = cache_for(model, artifact, **settings)
+    tokens = greedy(model, inputs, captured, new_tokens=30)
+    assert all(layer.selection_graph.capacity == layer.capacity for layer in captured.offloaded)
+    launched = cache_for(model, artifact, cuda_graphs=False, **settings)
+    assert torch.equal(tokens, greedy(model, inputs, launched, new_tokens=30))
+    assert all(layer.selection_graph is None for layer in launched.offloaded)
+    assert captured.summary()["fraction_fetched"] == launched.summary()["fraction_fetched"]

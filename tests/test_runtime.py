@@ -240,9 +240,12 @@ def test_oracle_selects_the_exact_top_k(tokenizer, arch, monkeypatch):
     cache = cache_for(model, policy="oracle", budget=0.25)
     selections = []
     real_fetch = cache.fetch
-    monkeypatch.setattr(
-        cache, "fetch", lambda layer, sel: selections.append((layer.index, sel)) or real_fetch(layer, sel)
-    )
+
+    def recording_fetch(layer, sel, valid=None):
+        selections.append((layer.index, sel))
+        return real_fetch(layer, sel, valid)
+
+    monkeypatch.setattr(cache, "fetch", recording_fetch)
     name = cache_argument(model)
     with torch.no_grad():
         model(ids[:, :40], **{name: cache})

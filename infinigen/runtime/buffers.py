@@ -19,12 +19,13 @@ def grown(tensor: torch.Tensor, length: int, dim: int, fill=0) -> torch.Tensor:
     return bigger
 
 
-def store_slots(tensor: torch.Tensor, slots: slice | torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def store_slots(tensor: torch.Tensor, slots: slice | torch.Tensor, values: torch.Tensor, capacity: int) -> torch.Tensor:
     """Per-slot metadata (B, kv_heads, n, *rest) <- values (B, kv_heads, T, *rest) at ``slots``: a slice of
-    new slots (the buffer grows to hold them), or (B, kv_heads) slots to overwrite (T = 1).
-    Returns the (possibly new) buffer."""
+    new slots, or (B, kv_heads) slots to overwrite (T = 1). The buffer grows only when the layer's
+    ``capacity`` outgrows it, so it is reallocated only when the capacity changes (what captured
+    selections rely on). Returns the (possibly new) buffer."""
     if isinstance(slots, slice):
-        tensor = grown(tensor, slots.stop, 2)
+        tensor = grown(tensor, capacity, 2)
         tensor[:, :, slots] = values
         return tensor
     index = slots.view(*slots.shape, 1, *([1] * (values.dim() - 3))).expand_as(values)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -31,6 +33,9 @@ from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
 
 ATTENTION = "infinigen"
+# SDPA backends for every attention we run: cuDNN's builds a plan per new KV length (~1 ms of host
+# time per call on an H200, so once per layer and decode step).
+DENSE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class InfinigenCache(Cache):
@@ -102,22 +107,43 @@ class InfinigenCache(Cache):
             self.buffers[name, parity] = buffer
         return buffer[:numel].view(shape)
 
-    def fetch(self, layer: OffloadedLayer, selection: Selection) -> Fetched:
-        """Start moving the selected rows of ``layer`` into a staging buffer; return it with its validity."""
-        batch, kv_heads = layer.valid.shape[:2]
-        n, device = layer.used, self.device
-        indices, count = selection.indices, selection.count
-        if indices is None:
-            indices = self.all_slots(n).expand(batch, kv_heads, n)
-        k, parity = indices.shape[-1], layer.index % 2
-        rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
-        valid = torch.empty(batch, kv_heads, k + 1, dtype=torch.bool, device=device)
-        valid[:, :, :k] = layer.valid.gather(-1, indices)
+    def captures(self, layer: OffloadedLayer) -> bool:
+        """Whether ``layer``'s selection runs as a CUDA graph: a capturable policy on CUDA, with an
+        unlimited pool (eviction bookkeeping counts steps on the host)."""
+        return (
+            self.config.cuda_graphs and self.stream is not None and layer.policy.capturable and layer.max_tokens is None
+        )
+
+    def fetch_mask(self, layer: OffloadedLayer, selection: Selection) -> torch.Tensor:
+        """Which fetched rows attention may read: (B, kv_heads, K + 1) bool, the last for the current
+        token (set when it arrives). Device work only: it runs inside captured selections."""
+        indices, count = self._indices(layer, selection), selection.count
+        k = indices.shape[-1]
+        valid = torch.empty(*indices.shape[:2], k + 1, dtype=torch.bool, device=self.device)
+        selected = valid[:, :, :k]
+        selected.copy_(layer.valid.gather(-1, indices))
         if count is not None:
-            valid[:, :, :k] &= self.all_slots(k) < count[:, None, None]
+            selected &= self.all_slots(k) < count[:, None, None]
         if selection.valid is not None:
-            valid[:, :, :k] &= selection.valid
-        layer.stats.record(count if count is not None else k, n, batch, kv_heads)
+            selected &= selection.valid
+        return valid
+
+    def _indices(self, layer: OffloadedLayer, selection: Selection) -> torch.Tensor:
+        if selection.indices is not None:
+            return selection.indices
+        batch, kv_heads = layer.valid.shape[:2]
+        return self.all_slots(layer.used).expand(batch, kv_heads, layer.used)
+
+    def fetch(self, layer: OffloadedLayer, selection: Selection, valid: torch.Tensor | None = None) -> Fetched:
+        """Start moving the selected rows of ``layer`` into a staging buffer; ``valid``: their
+        ``fetch_mask`` (computed here when not given)."""
+        indices, count = self._indices(layer, selection), selection.count
+        if valid is None:
+            valid = self.fetch_mask(layer, selection)
+        batch, kv_heads, k = indices.shape
+        parity = layer.index % 2
+        rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
+        layer.stats.record(count if count is not None else k, layer.used, batch, kv_heads)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         packed = None
@@ -179,14 +205,19 @@ class InfinigenCache(Cache):
 # --- attention and hooks -----------------------------------------------------------------------
 
 
-def grouped_decode_attention(query, keys, values, valid, scaling):
+def grouped_decode_attention(query, keys, values, valid, scaling, need_probs: bool = False):
     """One query token over gathered rows. query (B, H, 1, d); keys/values (B, kv_heads, S, d);
-    valid (B, kv_heads, S). Grouped-query heads share their KV head's rows (no repeat).
-    Returns the output (B, 1, H, d), as transformers' attention functions do, and the attention
-    probabilities (B, kv_heads, G, S)."""
+    valid (B, kv_heads, S). Grouped-query heads share their KV head's rows (no repeat): each KV
+    head's group of queries is one short query sequence. Returns the output (B, 1, H, d), as
+    transformers' attention functions do, and, if ``need_probs``, the attention probabilities
+    (B, kv_heads, G, S) (else None)."""
     batch, heads, _, head_dim = query.shape
     kv_heads = keys.shape[1]
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
+    if not need_probs:  # one fused kernel (memory-efficient SDPA on CUDA)
+        with sdpa_kernel(DENSE_BACKENDS):
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, :, None, :], scale=scaling)
+        return out.reshape(batch, 1, heads, head_dim), None
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling  # (B, kv_heads, G, S)
     probs = scores.masked_fill(~valid[:, :, None, :], -math.inf).softmax(dim=-1)
     out = torch.matmul(probs.to(values.dtype), values)  # (B, kv_heads, G, d)
@@ -215,17 +246,23 @@ def attention_mass(query, keys, mask, scaling, chunk: int = 256) -> torch.Tensor
     return mass
 
 
+def dense_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, on ``DENSE_BACKENDS``."""
+    with sdpa_kernel(DENSE_BACKENDS):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def infinigen_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     cache = getattr(module, "_infinigen_cache", None)
     layer = cache.layers[module.layer_idx] if cache is not None else None
     if not isinstance(layer, OffloadedLayer):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return dense_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     observes = layer.policy.observes_attention
     if layer.attention_valid is not None:
         if cache.decode_probe is not None:
             cache.decode_probe(layer, query)
-        out, probs = grouped_decode_attention(query, key, value, layer.attention_valid, scale)
+        out, probs = grouped_decode_attention(query, key, value, layer.attention_valid, scale, need_probs=observes)
         if observes:
             layer.policy.attended(layer, layer.attention_slots, probs.sum(dim=2))
         return out, None
@@ -234,7 +271,7 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
         layer.mark_padding(mask[:, 0, -1, -query.shape[2] :])
     if observes:
         layer.policy.attended(layer, None, attention_mass(query, key, mask, scale))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return dense_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
 AttentionInterface.register(ATTENTION, infinigen_attention)
@@ -278,6 +315,6 @@ def _step_hook(j: int, norms: list[nn.Module]):
         for target in ahead if cache.policy.lookahead else [j]:
             layer = cache.layers[target]
             if isinstance(layer, OffloadedLayer) and layer.is_initialized:
-                layer.prefetch(norms[target](hidden[:, 0]), cache.rope)
+                layer.prefetch(hidden[:, 0], norms[target], cache.rope)
 
     return hook

@@ -22,6 +22,7 @@ class RuntimeConfig:
     cpu_pool_gb: float | None = None  # limit of the CPU KV pool; None: no limit
     eviction: str = "counter"  # what a full pool overwrites: counter (paper) | fifo | lru
     block_tokens: int = 1024  # the CPU pool grows by blocks of this many tokens
+    cuda_graphs: bool = True  # on CUDA, replay capturable policies' selection from CUDA graphs
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:

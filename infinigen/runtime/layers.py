@@ -16,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from infinigen.errors import InfinigenError
 from infinigen.runtime.buffers import grown
 from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.graphs import SelectionGraph
 from infinigen.runtime.policies import Policy, Selection
 from infinigen.runtime.policies.base import RowCodec
 from infinigen.runtime.pool import KVPool
@@ -91,6 +92,7 @@ class OffloadedLayer(_Layer):
         self.attention_valid: torch.Tensor | None = None  # (B, kv_heads, K + 1) for the current decode step
         self.attention_slots: torch.Tensor | None = None  # (B, kv_heads, K + 1) their slots
         self.decoding: Fetched | None = None  # what the current decode step attends over
+        self.selection_graph: SelectionGraph | None = None  # CUDA: the selection, captured
         self.stats = LayerStats()
 
     # --- transformers' layer interface -------------------------------------------------------
@@ -140,6 +142,7 @@ class OffloadedLayer(_Layer):
                 f"{self.used + new} prompt tokens: raise --cpu-pool-gb"
             )
         slots = range(self.used, self.used + new)
+        self.pool.reserve(slots.stop)
         self._append_metadata(slots.start, slots.stop, key_states)
         self.pool.write_range(slots.start, self._encoded(key_states, value_states))
         self.stats.written_rows += new * key_states.shape[0] * key_states.shape[1]
@@ -151,15 +154,23 @@ class OffloadedLayer(_Layer):
         rows = past.rows[:, :, :, :-1]
         return torch.cat([rows[:, :, 0], key_states], dim=2), torch.cat([rows[:, :, 1], value_states], dim=2)
 
+    @property
+    def capacity(self) -> int:
+        """Slots the CPU pool has room for. Every per-slot buffer (validity, the policy's state) is
+        sized by it, so those buffers are reallocated only when it changes."""
+        return self.pool.capacity
+
     def _append_metadata(self, start: int, end: int, key_states) -> None:
-        self.valid = grown(self.valid, end, 2, fill=False)
+        """Mark slots start .. end-1 as cached (the pool already has room for them)."""
+        capacity = self.capacity
+        self.valid = grown(self.valid, capacity, 2, fill=False)
         self.valid[:, :, start:end] = True  # padding is cleared by the attention function
         if self.max_tokens is not None:
-            self.inserted = grown(self.inserted, end, 2)
+            self.inserted = grown(self.inserted, capacity, 2)
             self.inserted[:, :, start:end] = self.step
-            self.last_fetch = grown(self.last_fetch, end, 2)
+            self.last_fetch = grown(self.last_fetch, capacity, 2)
             self.last_fetch[:, :, start:end] = self.step
-            self.fetch_count = grown(self.fetch_count, end, 2)
+            self.fetch_count = grown(self.fetch_count, capacity, 2)
             self.fetch_count[:, :, start:end] = 0
         self.policy.stored(self, slice(start, end), key_states)
 
@@ -175,10 +186,21 @@ class OffloadedLayer(_Layer):
 
     # --- decode ------------------------------------------------------------------------------
 
-    def prefetch(self, attention_input: torch.Tensor, rope) -> None:
-        """Select and start fetching the rows of the next decode step (called one layer ahead)."""
-        selection = self.policy.select(self, attention_input, rope)
-        self.fetched = self.runtime.fetch(self, selection)
+    def prefetch(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> None:
+        """Select and start fetching the rows of the next decode step. hidden (B, hidden): the residual
+        stream the selection reads (one layer ahead, or this layer's own), before ``norm``."""
+        if self.selection_graph is None and self.runtime.captures(self):
+            self.selection_graph = SelectionGraph()
+        if self.selection_graph is not None:
+            selection, valid = self.selection_graph(self, hidden, norm, rope)
+        else:
+            selection, valid = self.select(hidden, norm, rope)
+        self.fetched = self.runtime.fetch(self, selection, valid)
+
+    def select(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> tuple[Selection, torch.Tensor]:
+        """The policy's selection and the validity of the rows it fetches (B, kv_heads, K + 1)."""
+        selection = self.policy.select(self, norm(hidden), rope)
+        return selection, self.runtime.fetch_mask(self, selection)
 
     def _fetch_all(self) -> Fetched:
         return self.runtime.fetch(self, Selection())
@@ -203,8 +225,8 @@ class OffloadedLayer(_Layer):
         self.length += 1
         new_rows = self._encoded(key_states, value_states)  # (B, kv_heads, 1, 2, stored_dim)
         if self.max_tokens is None or self.used < self.max_tokens:
-            self._append_metadata(self.used, self.used + 1, key_states)
             self.pool.reserve(self.used + 1)
+            self._append_metadata(self.used, self.used + 1, key_states)
             slots = torch.full(key_states.shape[:2], self.used, dtype=torch.int64, device=self.device)
             self.pool.write_slots(slots, new_rows)  # on CUDA: the GPU writes the pinned rows itself
             self.used += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from infinigen.architectures import ModelSpec
 from infinigen.artifacts import Artifact
@@ -49,12 +50,16 @@ class LayerSpeculator(nn.Module):
         self.attention = attention  # the layer's attention module (RoPE models reuse its q projection)
         skew, channels = artifact.skew_matrix(layer), artifact.channels(layer)  # (h, d, d), (h, r)
         key_columns = torch.stack([skew[h][:, channels[h]] for h in range(spec.n_kv_heads)])  # (h, d, r)
+        # Zero columns up to a multiple of 8: the same scores, aligned GEMMs (cuBLAS picks slow
+        # kernels for an odd inner dimension).
+        key_columns = F.pad(key_columns, (0, -key_columns.shape[-1] % 8))
         self.register_buffer("key_projection", key_columns.to(device, dtype))
         partial_query = artifact.partial_query_weight(layer)
         if partial_query is None:
             per_query_head = key_columns.repeat_interleave(spec.group_size, dim=0) * spec.head_dim**-0.5
             self.register_buffer("query_projection", per_query_head.to(device, dtype))  # (heads, d, r)
         else:
+            partial_query = F.pad(partial_query, (0, 0, 0, key_columns.shape[-1] - partial_query.shape[1]))
             self.register_buffer("query_weight", partial_query[..., :-1].to(device, dtype))  # (heads, r, hidden)
             self.register_buffer("query_bias", partial_query[..., -1].to(device, dtype))  # (heads, r)
 

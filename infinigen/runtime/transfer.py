@@ -45,6 +45,8 @@ def gather_rows(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None,
     for index, block in enumerate(pool.blocks):
         chosen = blocks == index
         rows[chosen] = block[b[chosen], h[chosen], slots[chosen]]
+    if count is not None:  # rows past the count are zeros, as on CUDA (their slots may be unwritten)
+        rows[torch.arange(k) >= count.cpu()[:, None, None].expand(batch, heads, 1)] = 0
     out.copy_(rows.transpose(2, 3))
 
 

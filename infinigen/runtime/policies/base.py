@@ -4,7 +4,8 @@ A policy instance serves one offloaded layer and keeps that layer's selection st
 page summaries, attention scores). The runtime calls, per layer:
 
 - ``stored`` whenever keys land in the cache (prefill, decode append, eviction overwrite);
-- ``select`` once per decode step, one layer ahead (``lookahead``) or at the layer itself;
+- ``select`` once per decode step, one layer ahead (``lookahead``) or at the layer itself (slots
+  past ``layer.used`` up to ``layer.capacity`` are never valid);
 - ``attended`` after each attention, with the attention mass per slot (only if ``observes_attention``).
 
 A policy with a ``codec`` stores and moves its rows compressed; the runtime decodes them on the
@@ -66,6 +67,9 @@ class Policy:
     lookahead: ClassVar[bool] = True  # select one layer ahead (from the previous layer); False: at the layer
     observes_attention: ClassVar[bool] = False  # True: ``attended`` receives the attention mass per slot
     budgeted: ClassVar[bool] = False  # True: fetches the ``budget`` share of the cached tokens
+    # True: ``select`` is a pure function of the layer's state whose shapes depend only on the layer's
+    # ``capacity`` (no host syncs, no Python state that changes per step), so CUDA graphs replay it.
+    capturable: ClassVar[bool] = False
     codec: RowCodec | None = None
 
     def __init__(self, config: RuntimeConfig) -> None:

@@ -30,8 +30,8 @@ class H2OPolicy(Policy):
         if self.scores is None:
             self.scores = torch.zeros(*shape[:2], 0, dtype=torch.float32, device=keys.device)
             self.alive = torch.zeros(*shape[:2], 0, dtype=torch.bool, device=keys.device)
-        self.scores = store_slots(self.scores, slots, self.scores.new_zeros(shape))
-        self.alive = store_slots(self.alive, slots, self.alive.new_ones(shape))
+        self.scores = store_slots(self.scores, slots, self.scores.new_zeros(shape), layer.capacity)
+        self.alive = store_slots(self.alive, slots, self.alive.new_ones(shape), layer.capacity)
 
     def attended(self, layer, slots, mass) -> None:
         if slots is None:

@@ -15,6 +15,7 @@ class InfinigenPolicy(Policy):
     name = "infinigen"
     speculates = True
     budgeted = True
+    capturable = True
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -24,10 +25,10 @@ class InfinigenPolicy(Policy):
         partial = layer.speculator.partial_keys(keys)  # (B, kv_heads, T, r)
         if self.partial_key_cache is None:
             self.partial_key_cache = partial.new_zeros(*partial.shape[:2], 0, partial.shape[-1])
-        self.partial_key_cache = store_slots(self.partial_key_cache, slots, partial)
+        self.partial_key_cache = store_slots(self.partial_key_cache, slots, partial, layer.capacity)
 
     def select(self, layer, attention_input, rope) -> Selection:
-        n, cfg = layer.used, self.config
+        n, cfg = layer.capacity, self.config  # every slot the buffers have; unused ones are invalid
         k_max = min(n, max(cfg.min_tokens, math.ceil(cfg.budget * n)))  # static bound for every row
         partial_query = layer.speculator.partial_query(attention_input, rope)  # (B, heads, r)
         indices, count = select_tokens(

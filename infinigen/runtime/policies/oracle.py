@@ -17,6 +17,7 @@ from infinigen.runtime.speculation import exact_query
 class OraclePolicy(Policy):
     name = "oracle"
     budgeted = True
+    capturable = True
     lookahead = False  # selects at its own layer, from the layer's exact attention input
 
     def __init__(self, config) -> None:
@@ -26,10 +27,10 @@ class OraclePolicy(Policy):
     def stored(self, layer, slots, keys) -> None:
         if self.keys is None:
             self.keys = keys.new_zeros(*keys.shape[:2], 0, keys.shape[-1])
-        self.keys = store_slots(self.keys, slots, keys)
+        self.keys = store_slots(self.keys, slots, keys, layer.capacity)
 
     def select(self, layer, attention_input, rope) -> Selection:
-        n = layer.used
+        n = layer.capacity
         query = exact_query(layer.attention, layer.runtime.spec, attention_input, rope)  # (B, heads, d)
         scores = group_scores(query, self.keys[:, :, :n], layer.valid[:, :, :n])
         cached = layer.valid[:, :, :n].sum(dim=-1).amax(dim=1)  # (B,)

@@ -11,6 +11,7 @@ import torch
 
 from infinigen.runtime.buffers import grown
 from infinigen.runtime.policies.base import Policy, Selection
+from infinigen.runtime.policies.infinigen import first_ranks
 from infinigen.runtime.speculation import exact_query
 
 PAGE = 16
@@ -19,6 +20,7 @@ PAGE = 16
 class QuestPolicy(Policy):
     name = "quest"
     budgeted = True
+    capturable = True
     lookahead = False  # query-aware: needs this layer's own query
 
     def __init__(self, config) -> None:
@@ -38,7 +40,7 @@ class QuestPolicy(Policy):
         first, last = slots.start // PAGE, (slots.stop - 1) // PAGE + 1
         span = signed.new_full((*signed.shape[:2], (last - first) * PAGE, *signed.shape[3:]), -math.inf)
         span[:, :, slots.start - first * PAGE : slots.stop - first * PAGE] = signed
-        self.page_bounds = grown(self.page_bounds, last, 2, fill=-math.inf)
+        self.page_bounds = grown(self.page_bounds, math.ceil(layer.capacity / PAGE), 2, fill=-math.inf)
         pages = self.page_bounds[:, :, first:last]
         torch.maximum(pages, span.unflatten(2, (last - first, PAGE)).amax(dim=3), out=pages)
 
@@ -51,13 +53,15 @@ class QuestPolicy(Policy):
         return torch.einsum("bkgsd,bkpsd->bkgp", signed, bounds).amax(dim=2).float()
 
     def select(self, layer, attention_input, rope) -> Selection:
-        n = layer.used
-        pages = math.ceil(n / PAGE)
-        k_pages = min(pages, max(1, math.ceil(self.config.budget * n / PAGE)))
+        capacity = layer.capacity
+        pages = math.ceil(capacity / PAGE)
+        k_pages = min(pages, max(1, math.ceil(self.config.budget * capacity / PAGE)))  # static bound
         query = exact_query(layer.attention, layer.runtime.spec, attention_input, rope)  # (B, heads, d)
-        valid = layer.valid  # slots past ``used`` are False; its capacity may end mid-page
-        filled = valid[:, :, : pages * PAGE] if valid.shape[2] >= pages * PAGE else grown(valid, pages * PAGE, 2)
-        empty = ~filled[:, :, : pages * PAGE].unflatten(2, (pages, PAGE)).any(dim=-1)  # pages of padding only
-        chosen = self.upper_bounds(query, pages).masked_fill(empty, -math.inf).topk(k_pages, dim=-1).indices
-        slots = (chosen.sort(dim=-1).values[..., None] * PAGE + layer.runtime.all_slots(PAGE)).flatten(2)
-        return Selection(indices=slots.clamp(max=n - 1), valid=slots < n)  # ascending
+        filled = grown(layer.valid[:, :, :capacity], pages * PAGE, 2, fill=False)  # (B, kv_heads, pages * PAGE)
+        empty = ~filled.unflatten(2, (pages, PAGE)).any(dim=-1)  # pages of padding or unused slots only
+        cached_pages = (~empty).sum(dim=-1).amax(dim=1)  # (B,)
+        page_count = (cached_pages * self.config.budget).ceil().clamp(min=1).to(torch.int32)  # (B,)
+        ranked = self.upper_bounds(query, pages).masked_fill(empty, -math.inf).topk(k_pages, dim=-1).indices
+        chosen = first_ranks(ranked, page_count, pages)  # (B, kv_heads, k_pages) ascending
+        slots = (chosen[..., None] * PAGE + layer.runtime.all_slots(PAGE)).flatten(2)
+        return Selection(indices=slots.clamp(max=capacity - 1), count=page_count * PAGE)

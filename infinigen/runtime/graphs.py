@@ -1,0 +1,61 @@
+"""CUDA graphs for an offloaded layer's decode-time selection.
+
+A policy's selection is a few dozen small kernels per layer and step; launched one at a time from
+Python they cost more host time than the GPU spends on them, and the whole decode step becomes
+host-bound (measured on an H200: ~80 launches per offloaded layer, the step as long as its
+enqueue). A capturable policy's ``select`` reads only per-slot buffers sized by the layer's
+capacity, so its shapes and buffer addresses stay fixed until the capacity grows (once per pool
+block): it is captured once per capacity and replayed as one launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from infinigen.runtime.layers import OffloadedLayer
+    from infinigen.runtime.policies import Selection
+
+
+class SelectionGraph:
+    """One offloaded layer's ``select`` (norm, policy selection, fetch mask) as a CUDA graph."""
+
+    def __init__(self) -> None:
+        self.capacity = -1  # the layer capacity the graph was captured at
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[Selection, torch.Tensor] | None = None
+
+    def __call__(
+        self, layer: OffloadedLayer, hidden: torch.Tensor, norm: torch.nn.Module, rope
+    ) -> tuple[Selection, torch.Tensor]:
+        if layer.capacity != self.capacity:
+            self._capture(layer, hidden, norm, rope)
+        else:
+            self.hidden.copy_(hidden)
+            for static, value in zip(self.rope, rope or (), strict=True):
+                static.copy_(value)
+        self.graph.replay()
+        selection, valid = self.outputs
+        if selection.count is not None:  # the stats keep each step's count: not the graph's buffer
+            selection = replace(selection, count=selection.count.clone())
+        return selection, valid
+
+    def _capture(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> None:
+        self.graph = self.outputs = None  # release the previous capture's memory first
+        device = hidden.device
+        layer.runtime.all_slots(layer.capacity + 1)  # the shared arange must not grow inside the capture
+        self.hidden = hidden.clone()  # static inputs, refilled before each replay
+        self.rope = tuple(t.clone() for t in rope) if rope is not None else ()
+        static_rope = self.rope or None
+        warmup = torch.cuda.Stream(device)  # lazy initialisation (cuBLAS workspaces) stays outside
+        warmup.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(warmup):
+            layer.select(self.hidden, norm, static_rope)
+        torch.cuda.current_stream(device).wait_stream(warmup)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.outputs = layer.select(self.hidden, norm, static_rope)
+        self.graph, self.capacity = graph, layer.capacity
