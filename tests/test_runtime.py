@@ -3,6 +3,9 @@ model, padding, eviction, bad settings. Runs on CPU in CI and on CUDA where pres
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -180,8 +183,13 @@ def test_plain_generate_still_works_after_install(tokenizer):
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     ids = {"input_ids": torch.randint(3, 512, (1, 12))}
     before = greedy(model, ids)
-    greedy(model, ids, cache_for(model, artifact))
+    cache = cache_for(model, artifact)
+    greedy(model, ids, cache)
     assert model.config._attn_implementation == "infinigen"
+    released = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert released() is None  # the model keeps no reference to a finished cache (nor its GPU buffers)
     assert torch.equal(greedy(model, ids), before)
 
 

@@ -288,7 +288,14 @@ def install(model: PreTrainedModel) -> None:
     norms = [attention_norm(block) for block in blocks]
     for j, block in enumerate(blocks):
         block.register_forward_pre_hook(_step_hook(j, norms), with_kwargs=True)
+        block.register_forward_hook(_unbind)
     model._infinigen_installed = True
+
+
+def _unbind(block: nn.Module, args, output) -> None:
+    """After a decoder layer: drop its reference to the cache, so that a finished cache (and its
+    GPU buffers) is freed as soon as the caller lets go of it."""
+    block.self_attn._infinigen_cache = None
 
 
 def _step_hook(j: int, norms: list[nn.Module]):
