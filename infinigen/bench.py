@@ -157,9 +157,14 @@ class _Decoder:
         return time.perf_counter() - start
 
     def step_seconds(self) -> float:
-        """Median wall time of ``gen_len`` decode steps after ``warmup`` steps."""
+        """Median wall time of ``gen_len`` decode steps after ``warmup`` steps. On CUDA the peak
+        memory counter restarts after the warm-up (``warmup_peak`` keeps the warm-up's peak)."""
         times = []
+        self.warmup_peak = 0
         for step in range(self.case.warmup + self.case.gen_len):
+            if step == self.case.warmup and self.device.type == "cuda":
+                self.warmup_peak = torch.cuda.max_memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
             _sync(self.device)
             start = time.perf_counter()
             self.forward(self.token)
@@ -193,9 +198,12 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
         "ms_per_step": round(step_s * 1e3, 2),
         "decode_tok_s": round(case.batch / step_s, 1),
         "prefill_peak_gpu_gb": round(prefill_peak / 1e9, 2) if device.type == "cuda" else None,
+        # the timed steps; the warm-up's peak includes the first pool-block growth (a copy of the
+        # growing GPU buffers, once per block of tokens)
         "decode_peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
         if device.type == "cuda"
         else None,
+        "warmup_peak_gpu_gb": round(decoder.warmup_peak / 1e9, 2) if device.type == "cuda" else None,
     }
     if case.policy not in HF_BASELINES:
         stats = cache.summary()
@@ -304,10 +312,24 @@ def _speculate(x, query_projection, partial_keys, valid, budget: float) -> None:
     select_tokens(partial_query, partial_keys, valid, k_max, budget, math.inf, 8)
 
 
+def _captured(fn):
+    """``fn`` as a CUDA graph replay, as the runtime runs a capturable policy's selection."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 @torch.no_grad()
 def micro_speculation(model: PreTrainedModel, budget: float, batch: int, contexts: list[int], rank: int) -> list[dict]:
     """Speculation of one layer (partial query projection, scores over the partial key cache, per-row
-    count, top-k) against the layer's own share of a dense decode step, per context length."""
+    count, top-k; replayed from a CUDA graph on CUDA, as the runtime does) against the layer's own
+    share of a dense decode step, per context length."""
     from infinigen.architectures import model_spec
 
     spec = model_spec(model.config)
@@ -320,7 +342,7 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
         partial_keys = torch.randn(batch, spec.n_kv_heads, context, rank, device=device, dtype=dtype)
         valid = torch.ones(batch, spec.n_kv_heads, context, dtype=torch.bool, device=device)
         speculate = functools.partial(_speculate, x, query_projection, partial_keys, valid, budget)
-        speculation_ms = _median_ms(speculate, device)
+        speculation_ms = _median_ms(_captured(speculate) if device.type == "cuda" else speculate, device)
         dense = run_case(model, None, BenchCase("hf-dynamic", batch, context, gen_len=5, warmup=2))
         layer_ms = dense["ms_per_step"] / spec.n_layers
         rows.append(
