@@ -73,6 +73,11 @@ def attention_norm(layer: nn.Module) -> nn.Module:
     return layer.self_attn_layer_norm if hasattr(layer, "self_attn_layer_norm") else layer.input_layernorm
 
 
+def mlp_norm(layer: nn.Module) -> nn.Module:
+    """The norm whose input is a decoder block's residual stream after its attention (pre-norm blocks)."""
+    return layer.final_layer_norm if hasattr(layer, "final_layer_norm") else layer.post_attention_layernorm
+
+
 def fingerprint(model: nn.Module) -> str:
     """A short hash of the q/k projection weights: identifies the base model an artifact was made for.
 

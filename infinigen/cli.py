@@ -35,6 +35,13 @@ ModelArg = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+LookaheadOpt = Annotated[
+    str,
+    typer.Option(
+        help="What one-layer-ahead selection reads: input (the residual entering the previous layer, as "
+        "the paper) | attention (the residual after the previous layer's attention)."
+    ),
+]
 
 
 def _version(value: bool) -> None:
@@ -459,6 +466,7 @@ def generate(
     ] = None,
     cpu_pool_gb: Annotated[float | None, typer.Option(help="Limit of the CPU KV pool (evicts when full).")] = None,
     eviction: Annotated[str, typer.Option(help="counter | fifo | lru.")] = "counter",
+    lookahead_from: LookaheadOpt = "input",
     prefill_chunk: Annotated[
         int, typer.Option(help="Prefill long prompts in chunks of this many tokens (bounds GPU memory); 0: one pass.")
     ] = 4096,
@@ -480,7 +488,14 @@ def generate(
     from infinigen.runtime import RuntimeConfig, cache_argument, cache_for
 
     prompts = _prompts(prompt, prompt_file, batch_file)
-    config = RuntimeConfig(policy=policy, budget=budget, alpha=alpha, cpu_pool_gb=cpu_pool_gb, eviction=eviction)
+    config = RuntimeConfig(
+        policy=policy,
+        budget=budget,
+        alpha=alpha,
+        cpu_pool_gb=cpu_pool_gb,
+        eviction=eviction,
+        lookahead_from=lookahead_from,
+    )
     if device is None and not torch.cuda.is_available():
         err_console.print("no CUDA device: running on the CPU (slowly)")
     loaded = load_model(model, device=device, dtype=dtype)
@@ -648,12 +663,12 @@ def _numbers(text: str, option: str, kind: type = float) -> list:
         raise InfinigenError(f"{option} takes comma-separated {kind.__name__} values, got {text!r}") from None
 
 
-def _policy_settings(policies: str, budgets: str, alpha: float | None) -> list[dict]:
+def _policy_settings(policies: str, budgets: str, alpha: float | None, lookahead_from: str = "input") -> list[dict]:
     """Runtime settings, one per policy and, for the budgeted policies, per budget: one result row each."""
     from infinigen.bench import BUDGETED
 
     return [
-        {"policy": policy, "budget": budget, "alpha": alpha}
+        {"policy": policy, "budget": budget, "alpha": alpha, "lookahead_from": lookahead_from}
         for policy in (p.strip() for p in policies.split(","))
         for budget in (_numbers(budgets, "--budgets") if policy in BUDGETED else [1.0])
     ]
@@ -680,6 +695,7 @@ def ppl(
     policies: PoliciesOpt = "dense,infinigen",
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
+    lookahead_from: LookaheadOpt = "input",
     cpu_pool_fraction: Annotated[
         float | None, typer.Option(help="Limit the CPU pool to this share of a window's tokens (evicts).")
     ] = None,
@@ -704,7 +720,7 @@ def ppl(
     loaded, checked = _load_for_eval(model, artifact, device, dtype)
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     rows = []
-    for settings in _policy_settings(policies, budgets, alpha):
+    for settings in _policy_settings(policies, budgets, alpha, lookahead_from):
         settings["eviction"] = eviction
         rows.append(
             perplexity(
@@ -754,6 +770,7 @@ def tasks(
     policies: PoliciesOpt = "dense,infinigen",
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
+    lookahead_from: LookaheadOpt = "input",
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
@@ -775,7 +792,7 @@ def tasks(
         examples = {data.stem: jsonl_examples(data)}
     else:
         examples = {name.strip(): builtin_examples(name.strip()) for name in task_names.split(",")}
-    all_settings = _policy_settings(policies, budgets, alpha)
+    all_settings = _policy_settings(policies, budgets, alpha, lookahead_from)
     loaded, checked = _load_for_eval(model, artifact, device, dtype)
     rows = []
     with _progress(disable=as_json) as bar:
@@ -822,6 +839,7 @@ def needle(
     policies: PoliciesOpt = "dense,infinigen",
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
+    lookahead_from: LookaheadOpt = "input",
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
@@ -837,7 +855,7 @@ def needle(
     token_lengths, depth_fractions = _numbers(lengths, "--lengths", int), _numbers(depths, "--depths")
     if trials < 1:
         raise InfinigenError(f"--trials must be >= 1, got {trials}")
-    all_settings = _policy_settings(policies, budgets, alpha)
+    all_settings = _policy_settings(policies, budgets, alpha, lookahead_from)
     loaded, checked = _load_for_eval(model, artifact, device, dtype)
     context = loaded.model.config.max_position_embeddings
     if max(token_lengths) + ANSWER_TOKENS > context:

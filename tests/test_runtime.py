@@ -11,6 +11,7 @@ import torch
 from conftest import tiny_model
 from transformers import DynamicCache
 
+from infinigen.architectures import decoder_layers, mlp_norm
 from infinigen.errors import InfinigenError
 from infinigen.models import LoadedModel, ModelSource
 from infinigen.prepare import prepare_artifact
@@ -52,6 +53,33 @@ def test_full_budget_is_exact_tiny(tokenizer, arch, policy, device):
     inputs = padded_batch(prompts, pad=1, device=device)
     expected = greedy(model, inputs, DynamicCache())
     assert torch.equal(greedy(model, inputs, cache_for(model, artifact, policy=policy, **EXACT)), expected)
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_lookahead_from_attention_is_exact_and_reads_the_residual_after_attention(tokenizer, arch, device, monkeypatch):
+    """With ``lookahead_from="attention"`` layer i's selection reads the residual stream after layer
+    i-1's attention (the input of its MLP norm); at budget 1 decoding stays exact."""
+    model, artifact = tiny_setup(tokenizer, arch, device)
+    inputs = padded_batch([list(range(3, 20)), list(range(40, 50))], pad=1, device=device)
+    expected = greedy(model, inputs, DynamicCache())
+    cache = cache_for(model, artifact, lookahead_from="attention", **EXACT)
+    mlp_inputs, selection_inputs = [], []
+    block = decoder_layers(model)[1]
+    handle = mlp_norm(block).register_forward_pre_hook(lambda module, args: mlp_inputs.append(args[0]))
+    real_prefetch = OffloadedLayer.prefetch
+
+    def recording_prefetch(layer, hidden, norm, rope):
+        if layer.index == 2:
+            selection_inputs.append(hidden)
+        return real_prefetch(layer, hidden, norm, rope)
+
+    monkeypatch.setattr(OffloadedLayer, "prefetch", recording_prefetch)
+    assert torch.equal(greedy(model, inputs, cache), expected)
+    handle.remove()
+    # decode steps: one token per row, (B, 1, hidden), or (B, hidden) as OPT flattens it
+    decode_inputs = [x.reshape(2, x.shape[-1]) for x in mlp_inputs if x.numel() == 2 * x.shape[-1]]
+    assert len(selection_inputs) == 11  # one per decode step (the prefill selects nothing)
+    assert all(torch.equal(a, b) for a, b in zip(selection_inputs, decode_inputs, strict=True))
 
 
 PROMPTS = [
@@ -164,6 +192,7 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"alpha": -1.0}, "alpha must be non-negative"),
         ({"policy": "magic"}, "unknown policy 'magic'"),
         ({"eviction": "random"}, "eviction must be one of"),
+        ({"lookahead_from": "output"}, "lookahead_from must be one of"),
         ({"dense_layers": 0}, "dense_layers must be at least 1"),
     ],
 )

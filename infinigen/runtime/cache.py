@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from infinigen.architectures import attention_norm, decoder_layers, model_spec
+from infinigen.architectures import attention_norm, decoder_layers, mlp_norm, model_spec
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.runtime.config import RuntimeConfig
@@ -61,6 +61,7 @@ class InfinigenCache(Cache):
             layers.append(OffloadedLayer(i, policy, config, speculator, blocks[i].self_attn, runtime=self))
         super().__init__(layers=layers)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.decoding = False  # whether the running forward is a decode step (one token per row)
         self.device = next(model.parameters()).device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
@@ -288,6 +289,7 @@ def install(model: PreTrainedModel) -> None:
     norms = [attention_norm(block) for block in blocks]
     for j, block in enumerate(blocks):
         block.register_forward_pre_hook(_step_hook(j, norms), with_kwargs=True)
+        mlp_norm(block).register_forward_pre_hook(_after_attention_hook(j, norms, block.self_attn))
         block.register_forward_hook(_unbind)
     model._infinigen_installed = True
 
@@ -298,12 +300,20 @@ def _unbind(block: nn.Module, args, output) -> None:
     block.self_attn._infinigen_cache = None
 
 
+def _prefetch(cache: InfinigenCache, targets: list[int], hidden: torch.Tensor, norms: list[nn.Module]) -> None:
+    """Start the selection and fetch of the ``targets`` layers from ``hidden`` (B, 1, hidden), each
+    normalised with its target's own attention norm."""
+    for target in targets:
+        layer = cache.layers[target] if target < len(norms) else None
+        if isinstance(layer, OffloadedLayer) and layer.is_initialized:
+            layer.prefetch(hidden[:, 0], norms[target], cache.rope)
+
+
 def _step_hook(j: int, norms: list[nn.Module]):
     """Before decoder layer j: bind the running cache to its attention, and during decode start the
-    selection and prefetch of layer j+1 (and of layer 0 itself, when it is offloaded).
-
-    The next layer's attention input is approximated by the residual stream entering layer j,
-    normalised with layer j+1's own attention norm.
+    selection and prefetch of layer j+1 from the residual stream entering layer j (``lookahead_from
+    == "input"``), of layer j itself for policies that select at their own layer, and of layer 0
+    (no previous layer) from its own input.
     """
 
     def hook(block: nn.Module, args, kwargs):
@@ -312,16 +322,31 @@ def _step_hook(j: int, norms: list[nn.Module]):
         block.self_attn._infinigen_cache = cache
         if cache is None:
             return
+        hidden = args[0] if args else kwargs["hidden_states"]  # (B, q_len, hidden)
         if j == 0:
             cache.rope = kwargs.get("position_embeddings")
-        hidden = args[0] if args else kwargs["hidden_states"]  # (B, q_len, hidden)
-        if hidden.shape[1] != 1:  # prefill: nothing to select
+            cache.decoding = hidden.shape[1] == 1
+        if not cache.decoding:  # prefill: nothing to select
             return
-        ahead = [0] if j == 0 else []  # layer 0 has no previous layer: it selects from its own input
-        ahead += [j + 1] if j + 1 < len(norms) else []
-        for target in ahead if cache.policy.lookahead else [j]:
-            layer = cache.layers[target]
-            if isinstance(layer, OffloadedLayer) and layer.is_initialized:
-                layer.prefetch(hidden[:, 0], norms[target], cache.rope)
+        if not cache.policy.lookahead:
+            _prefetch(cache, [j], hidden, norms)
+            return
+        targets = [0] if j == 0 else []
+        targets += [j + 1] if cache.config.lookahead_from == "input" else []
+        _prefetch(cache, targets, hidden, norms)
+
+    return hook
+
+
+def _after_attention_hook(j: int, norms: list[nn.Module], attention: nn.Module):
+    """Before decoder layer j's MLP norm, i.e. on the residual stream after its attention: the
+    selection and prefetch of layer j+1 when ``lookahead_from == "attention"``."""
+
+    def hook(norm: nn.Module, args) -> None:
+        cache = getattr(attention, "_infinigen_cache", None)
+        if cache is None or not cache.decoding or not cache.policy.lookahead:
+            return
+        if cache.config.lookahead_from == "attention":  # (B, 1, hidden), or (B, hidden) as OPT flattens it
+            _prefetch(cache, [j + 1], args[0].view(-1, 1, args[0].shape[-1]), norms)
 
     return hook

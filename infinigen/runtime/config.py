@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from infinigen.errors import InfinigenError
 
 EVICTIONS = ("counter", "fifo", "lru")
+LOOKAHEAD_FROM = ("input", "attention")
 DEFAULT_ALPHA = {"opt": 4.0}  # the paper's settings: 4 for OPT, 5 for Llama-2 (used for every RoPE family)
 ROPE_ALPHA = 5.0
 
@@ -23,6 +24,10 @@ class RuntimeConfig:
     eviction: str = "counter"  # what a full pool overwrites: counter (paper) | fifo | lru
     block_tokens: int = 1024  # the CPU pool grows by blocks of this many tokens
     cuda_graphs: bool = True  # on CUDA, replay capturable policies' selection from CUDA graphs
+    # What a one-layer-ahead selection for layer i reads: "input", the residual stream entering layer
+    # i-1 (the paper; its transfer overlaps all of layer i-1), or "attention", the residual after layer
+    # i-1's attention (closer to layer i's input; the transfer overlaps only layer i-1's MLP).
+    lookahead_from: str = "input"
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
@@ -33,6 +38,9 @@ class RuntimeConfig:
             raise InfinigenError("dense_layers must be >= 0, min_tokens and block_tokens >= 1")
         if self.eviction not in EVICTIONS:
             raise InfinigenError(f"eviction must be one of {', '.join(EVICTIONS)}, got {self.eviction!r}")
+        if self.lookahead_from not in LOOKAHEAD_FROM:
+            choices = ", ".join(LOOKAHEAD_FROM)
+            raise InfinigenError(f"lookahead_from must be one of {choices}, got {self.lookahead_from!r}")
         if self.cpu_pool_gb is not None and self.cpu_pool_gb <= 0:
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
 
