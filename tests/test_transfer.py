@@ -70,3 +70,21 @@ def test_torch_gather_and_scatter_across_blocks():
     new = torch.randn(2, 2, 1, 2, 4)
     transfer.scatter_rows(pool, torch.tensor([[14, 0], [7, 13]]), new)
     assert torch.equal(pool.blocks[2][0, 0, 4], new[0, 0, 0]) and torch.equal(pool.blocks[2][1, 1, 3], new[1, 1, 0])
+
+
+def test_new_pool_slots_above_the_reserved_ones_are_zero(monkeypatch):
+    """A fetch may read slots nobody wrote (the rest of a Quest page): they must be zeros, never
+    the NaN an uninitialised block can hold (a masked NaN row still poisons attention)."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs) -> torch.Tensor:
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    pool = KVPool(1, 2, 4, torch.float32, torch.device("cpu"), block_tokens=8)
+    pool.reserve(11)  # the caller writes slots 0 .. 10
+    assert len(pool.blocks) == 2 and bool(pool.blocks[1][:, :, 3:].eq(0).all())
+    pool.reserve(16)  # no new block: nothing to zero
+    pool.reserve(17)
+    assert bool(pool.blocks[2][:, :, 1:].eq(0).all())

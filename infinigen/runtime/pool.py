@@ -48,13 +48,16 @@ class KVPool:
         return sum(block.nbytes for block in self.blocks)
 
     def reserve(self, n_tokens: int) -> None:
-        """Allocate blocks until ``n_tokens`` slots exist."""
+        """Allocate blocks until ``n_tokens`` slots exist (the caller writes every new slot below
+        ``n_tokens``; the new slots above it are zeroed: a fetch of a whole page or a fixed number of
+        rows may read them, and attention masks them, but a masked row must hold no NaN)."""
         added = False
         while self.capacity < n_tokens:
             pinned = self.device.type == "cuda"
             self.blocks.append(torch.empty(self.shape, dtype=self.dtype, pin_memory=pinned))
             added = True
         if added:
+            self.blocks[-1][:, :, n_tokens - self.capacity + self.block_tokens :].zero_()
             table = [block.data_ptr() for block in self.blocks]
             self.block_table = torch.tensor(table, dtype=torch.int64).to(self.device, non_blocking=False)
 
