@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import math
 import statistics
 import time
@@ -78,6 +79,8 @@ SHAPES: dict[str, dict] = {
 HF_BASELINES = ("hf-dynamic", "hf-offloaded")  # transformers' own caches, for reference
 BUDGETED = tuple(name for name, policy in POLICIES.items() if policy.budgeted)  # --budgets sweeps them
 CAPTURABLE = tuple(name for name, policy in POLICIES.items() if policy.capturable)
+LOOKAHEAD = tuple(name for name, p in POLICIES.items() if p.offloads and p.lookahead)  # select one layer ahead
+SPECULATING = tuple(name for name, policy in POLICIES.items() if policy.speculates)
 
 
 def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
@@ -116,6 +119,49 @@ class BenchCase:
     budget: float = 0.2
     alpha: float | None = math.inf  # random weights: the budget fixes the count
     cuda_graphs: bool = True  # capturable policies replay their selection from CUDA graphs
+    lookahead_from: str = "input"
+    partial_key_bits: int = 8
+    ratio: float = 0.3  # the artifact's partial channels (speculating policies)
+
+
+def bench_cases(
+    settings: list[dict],
+    batches: list[int],
+    prompt_lens: list[int],
+    gen_len: int,
+    *,
+    cuda_graphs: bool = True,
+    lookahead_from: tuple[str, ...] = ("input",),
+    partial_key_bits: tuple[int, ...] = (8,),
+    ratios: tuple[float, ...] = (0.3,),
+) -> list[BenchCase]:
+    """Every context x batch x policy setting; the runtime-option sweeps multiply only the policies
+    they change (ratio and partial-key bits: speculating policies; lookahead_from: offloading ones
+    that select one layer ahead)."""
+    cases = []
+    for n, b, setting in itertools.product(prompt_lens, batches, settings):
+        policy = POLICIES.get(setting["policy"])  # None: transformers' own caches
+        speculates = policy is not None and policy.speculates
+        looks_ahead = policy is not None and policy.offloads and policy.lookahead
+        for ratio, bits, source in itertools.product(
+            ratios if speculates else ratios[:1],
+            partial_key_bits if speculates else partial_key_bits[:1],
+            lookahead_from if looks_ahead else lookahead_from[:1],
+        ):
+            cases.append(
+                BenchCase(
+                    setting["policy"],
+                    b,
+                    n,
+                    gen_len,
+                    budget=setting["budget"],
+                    cuda_graphs=cuda_graphs,
+                    lookahead_from=source,
+                    partial_key_bits=bits,
+                    ratio=ratio,
+                )
+            )
+    return cases
 
 
 def _make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase):
@@ -124,7 +170,14 @@ def _make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCa
     if case.policy == "hf-offloaded":
         return DynamicCache(config=model.config, offloading=True)
     return cache_for(
-        model, artifact, policy=case.policy, budget=case.budget, alpha=case.alpha, cuda_graphs=case.cuda_graphs
+        model,
+        artifact,
+        policy=case.policy,
+        budget=case.budget,
+        alpha=case.alpha,
+        cuda_graphs=case.cuda_graphs,
+        lookahead_from=case.lookahead_from,
+        partial_key_bits=case.partial_key_bits,
     )
 
 
@@ -194,6 +247,9 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
         "prompt_len": case.prompt_len,
         "budget": case.budget if case.policy in BUDGETED else None,
         "cuda_graphs": case.cuda_graphs if case.policy in CAPTURABLE else None,
+        "lookahead_from": case.lookahead_from if case.policy in LOOKAHEAD else None,
+        "partial_key_bits": case.partial_key_bits if case.policy in SPECULATING else None,
+        "ratio": case.ratio if case.policy in SPECULATING else None,
         "prefill_s": round(prefill_s, 3),
         "ms_per_step": round(step_s * 1e3, 2),
         "decode_tok_s": round(case.batch / step_s, 1),
@@ -304,12 +360,12 @@ def micro_gather(
     return rows
 
 
-def _speculate(x, query_projection, partial_keys, valid, budget: float) -> None:
+def _speculate(x, query_projection, partial_keys, key_scale, valid, budget: float) -> None:
     from infinigen.runtime.policies.infinigen import select_tokens
 
     partial_query = torch.einsum("bx,hxr->bhr", x, query_projection)
     k_max = math.ceil(budget * partial_keys.shape[2])
-    select_tokens(partial_query, partial_keys, valid, k_max, budget, math.inf, 8)
+    select_tokens(partial_query, partial_keys, valid, k_max, budget, math.inf, 8, key_scale=key_scale)
 
 
 def _captured(fn):
@@ -331,6 +387,7 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
     count, top-k; replayed from a CUDA graph on CUDA, as the runtime does) against the layer's own
     share of a dense decode step, per context length."""
     from infinigen.architectures import model_spec
+    from infinigen.runtime.policies.infinigen import quantize_rows
 
     spec = model_spec(model.config)
     device = next(model.parameters()).device
@@ -340,8 +397,9 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
         x = torch.randn(batch, spec.hidden_size, device=device, dtype=dtype)
         query_projection = torch.randn(spec.n_heads, spec.hidden_size, rank, device=device, dtype=dtype)
         partial_keys = torch.randn(batch, spec.n_kv_heads, context, rank, device=device, dtype=dtype)
+        codes, scale = quantize_rows(partial_keys)  # as the runtime stores them (partial_key_bits=8)
         valid = torch.ones(batch, spec.n_kv_heads, context, dtype=torch.bool, device=device)
-        speculate = functools.partial(_speculate, x, query_projection, partial_keys, valid, budget)
+        speculate = functools.partial(_speculate, x, query_projection, codes, scale, valid, budget)
         speculation_ms = _median_ms(_captured(speculate) if device.type == "cuda" else speculate, device)
         dense = run_case(model, None, BenchCase("hf-dynamic", batch, context, gen_len=5, warmup=2))
         layer_ms = dense["ms_per_step"] / spec.n_layers

@@ -192,6 +192,8 @@ def test_bench_tiny_on_cpu():
     assert set(rows) == {("dense", None), ("full", None), ("infinigen", 0.2), ("infinigen", 0.5)}
     assert rows[("full", None)]["fraction_fetched"] == 1.0
     assert 0 < rows[("infinigen", 0.2)]["fraction_fetched"] < rows[("infinigen", 0.5)]["fraction_fetched"] <= 0.51
+    progress = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert progress == report["results"]  # each row on stderr as it finishes: a cut-off run keeps them
     table = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies full")
     assert table.exit_code == 0 and "tiny-llama float32 on cpu" in table.stdout
 
@@ -207,6 +209,19 @@ def test_bench_sweeps_and_plots(tmp_path):
     report = tmp_path / "report.json"
     report.write_text(result.stdout)
     assert invoke("plot", str(report), "--out", str(replot)).exit_code == 0 and replot.exists()
+
+
+def test_bench_runtime_sweeps_multiply_only_the_policies_they_change():
+    args = "--batch 1 --prompt-len 32 --gen-len 1 --policies dense,full,infinigen --budgets 0.5"
+    result = bench(f"{args} --ratio 0.3,0.5 --partial-key-bits 8,16 --lookahead-from input,attention --json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["results"]
+    keys = [(r["policy"], r["ratio"], r["partial_key_bits"], r["lookahead_from"]) for r in rows]
+    assert keys[:3] == [("dense", None, None, None), ("full", None, None, "input"), ("full", None, None, "attention")]
+    assert sorted(keys[3:]) == sorted(
+        ("infinigen", r, b, s) for r in (0.3, 0.5) for b in (8, 16) for s in ("input", "attention")
+    )
+    assert all(r["fraction_fetched"] == rows[-1]["fraction_fetched"] for r in rows[3:])
 
 
 def test_bench_micro_on_cpu():
@@ -255,10 +270,13 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
         for i in range(4)
     ]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
     args = f"eval tasks {folder} --artifact {out} --data {data} --shots 2 --limit 3 --budgets 0.5,1 --device cpu"
-    result = invoke(*args.split(), "--json")
+    result = invoke(*args.split(), "--data", str(other), "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
+    assert all(set(r["tasks"]) == {"toy", "other"} for r in report["results"])
     assert [(r["policy"], r["budget"]) for r in report["results"]] == [
         ("dense", 1.0),
         ("infinigen", 0.5),

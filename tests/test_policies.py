@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,8 +14,10 @@ import torch
 from conftest import DEVICES
 from test_runtime import greedy, padded_batch, teacher_forced_argmax, tiny_setup
 
-from infinigen.runtime import POLICIES, RuntimeConfig, cache_for
+from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
+from infinigen.runtime.layers import OffloadedLayer
 from infinigen.runtime.policies.h2o import H2OPolicy
+from infinigen.runtime.policies.infinigen import group_scores, quantize_rows
 from infinigen.runtime.policies.int4 import GroupQuantizer
 from infinigen.runtime.policies.quest import PAGE, QuestPolicy
 
@@ -46,7 +53,7 @@ def test_h2o_keeps_heavy_hitters_and_the_recent_window_and_forgets_evictions():
     assert first.count.tolist() == [10]
     assert first.indices[0, 0, :10].tolist() == heavy + [15, 16, 17, 18, 19]
 
-    layer.used, layer.valid = 21, torch.ones(1, 1, 21, dtype=torch.bool)
+    layer.used, layer.capacity, layer.valid = 21, 21, torch.ones(1, 1, 21, dtype=torch.bool)
     policy.stored(layer, slice(20, 21), torch.zeros(1, 1, 1, 4))  # one decoded token
     slots = first.indices[..., :10]
     step_mass = torch.zeros(1, 1, 10)
@@ -77,6 +84,72 @@ def test_group_quantizer_round_trip_error_is_at_most_half_a_step(bits, dtype, he
     error = (out - rows.float()).abs()
     assert (error <= step / 2 * (1 + 1e-3) + 1e-6).all()
     assert error.max() > 0  # it does quantize
+
+
+def test_int8_partial_keys_score_as_their_dequantized_values_and_keep_the_ranking():
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 2, 200, 24, generator=generator) * torch.linspace(0.1, 5, 24)  # (B, kv, n, r)
+    queries = torch.randn(2, 6, 24, generator=generator)  # 3 query heads per KV head
+    valid = torch.rand(2, 2, 200, generator=generator) > 0.2
+    codes, scale = quantize_rows(keys)
+    assert codes.dtype == torch.int8 and scale.shape == keys.shape[:3]
+    assert ((codes * scale[..., None] - keys).abs() <= scale[..., None] / 2 + 1e-6).all()
+    scores = group_scores(queries, codes, valid, scale)
+    torch.testing.assert_close(scores, group_scores(queries, codes.float() * scale[..., None], valid))
+    exact = group_scores(queries, keys, valid)
+    top = 40
+    kept = [
+        len(set(a.tolist()) & set(b.tolist())) / top
+        for a, b in zip(scores.topk(top).indices.flatten(0, 1), exact.topk(top).indices.flatten(0, 1), strict=True)
+    ]
+    assert min(kept) >= 0.9  # the top 20% by int8 scores are (almost all) the top 20% by exact scores
+
+
+FUSED_SCORES_CHECK = r"""
+import torch
+from infinigen.runtime.policies.infinigen import group_scores, quantize_rows
+from infinigen.runtime.scoring import int8_group_scores
+g = torch.Generator().manual_seed(0)
+B, kv, G, cap, n, c = 2, 3, 4, 300, 257, 40
+keys = torch.randn(B, kv, cap, c, generator=g)
+codes, scale = quantize_rows(keys)
+valid = torch.rand(B, kv, cap, generator=g) > 0.3
+q = torch.randn(B, kv * G, c, generator=g)
+out = int8_group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
+ref = group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
+assert out.shape == ref.shape == (B, kv, n) and out.dtype == torch.float32
+assert torch.equal(out.isinf(), ref.isinf()), "masked slots"
+torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(scoring.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernel")
+def test_fused_int8_scores_in_interpreter():
+    """The Triton kernel (run by Triton's CPU interpreter) scores a slice of capacity-sized buffers as
+    the PyTorch path does, -inf where invalid."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", FUSED_SCORES_CHECK], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_fused_int8_scores_on_cuda_match_the_pytorch_path():
+    generator = torch.Generator().manual_seed(1)
+    keys = torch.randn(2, 8, 1000, 40, generator=generator)
+    codes, scale = quantize_rows(keys.bfloat16())
+    valid = torch.rand(2, 8, 1000, generator=generator) > 0.3
+    queries = torch.randn(2, 32, 40, generator=generator).bfloat16()
+    n = 777  # a slice of capacity-sized buffers, as the runtime passes them
+    fused = scoring.int8_group_scores(*(t.cuda() for t in (queries, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])))
+    expected = group_scores(queries.float(), codes[:, :, :n], valid[:, :, :n], scale[:, :, :n].float())
+    assert torch.equal(fused.isinf().cpu(), ~valid[:, :, :n])
+    torch.testing.assert_close(fused.cpu(), expected, rtol=1e-4, atol=1e-3)
 
 
 def test_quest_page_bounds_bound_every_token_of_their_page():
@@ -169,3 +242,31 @@ def test_captured_selection_decodes_as_launched_kernels(tiny_llama, policy):
     assert torch.equal(tokens, greedy(model, inputs, launched, new_tokens=30))
     assert all(layer.selection_graph is None for layer in launched.offloaded)
     assert captured.summary()["fraction_fetched"] == launched.summary()["fraction_fetched"]
+
+
+@pytest.mark.cuda
+def test_automatic_garbage_collection_during_a_capture_leaves_it_intact(tiny_llama, monkeypatch):
+    """Python's collector may run at any allocation, also inside a selection's capture, and free an
+    unreachable cache whose CUDA graphs are then destroyed: that would end the capture."""
+    model, artifact = tiny_llama
+    if model.device.type != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    inputs = {"input_ids": torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(6)).cuda()}
+    settings = dict(budget=0.3, block_tokens=16)
+    expected = greedy(model, inputs, cache_for(model, artifact, cuda_graphs=False, **settings), new_tokens=20)
+    dead = cache_for(model, artifact, **settings)
+    greedy(model, inputs, dead, new_tokens=20)
+    dead.itself = dead  # only the cyclic collector can free it
+    del dead
+    real_select = OffloadedLayer.select
+
+    def select_with_collection(layer, *args):
+        if torch.cuda.is_current_stream_capturing():
+            thresholds = gc.get_threshold()
+            gc.set_threshold(1, 1, 1)  # the next allocations trigger full automatic collections
+            _ = [[] for _ in range(8)]
+            gc.set_threshold(*thresholds)
+        return real_select(layer, *args)
+
+    monkeypatch.setattr(OffloadedLayer, "select", select_with_collection)
+    assert torch.equal(greedy(model, inputs, cache_for(model, artifact, **settings), new_tokens=20), expected)

@@ -10,6 +10,7 @@ block): it is captured once per capacity and replayed as one launch.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,12 @@ class SelectionGraph:
             layer.select(self.hidden, norm, static_rope)
         torch.cuda.current_stream(device).wait_stream(warmup)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.outputs = layer.select(self.hidden, norm, static_rope)
+        collecting = gc.isenabled()
+        gc.disable()  # a collection inside the capture could destroy a dead cache's graphs: that ends the capture
+        try:
+            with torch.cuda.graph(graph):
+                self.outputs = layer.select(self.hidden, norm, static_rope)
+        finally:
+            if collecting:
+                gc.enable()
         self.graph, self.capacity = graph, layer.capacity

@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from infinigen.errors import InfinigenError
-from infinigen.runtime.buffers import grown
+from infinigen.runtime.buffers import grown, grown_to
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.graphs import SelectionGraph
 from infinigen.runtime.policies import Policy, Selection
@@ -163,14 +163,14 @@ class OffloadedLayer(_Layer):
     def _append_metadata(self, start: int, end: int, key_states) -> None:
         """Mark slots start .. end-1 as cached (the pool already has room for them)."""
         capacity = self.capacity
-        self.valid = grown(self.valid, capacity, 2, fill=False)
+        self.valid = grown_to(self.valid, capacity, 2, fill=False)
         self.valid[:, :, start:end] = True  # padding is cleared by the attention function
         if self.max_tokens is not None:
-            self.inserted = grown(self.inserted, capacity, 2)
+            self.inserted = grown_to(self.inserted, capacity, 2)
             self.inserted[:, :, start:end] = self.step
-            self.last_fetch = grown(self.last_fetch, capacity, 2)
+            self.last_fetch = grown_to(self.last_fetch, capacity, 2)
             self.last_fetch[:, :, start:end] = self.step
-            self.fetch_count = grown(self.fetch_count, capacity, 2)
+            self.fetch_count = grown_to(self.fetch_count, capacity, 2)
             self.fetch_count[:, :, start:end] = 0
         self.policy.stored(self, slice(start, end), key_states)
 

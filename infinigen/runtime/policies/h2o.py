@@ -26,12 +26,10 @@ class H2OPolicy(Policy):
         self.keep: torch.Tensor | None = None  # (B,) tokens kept per row, fixed at the first decode step
 
     def stored(self, layer, slots, keys) -> None:
-        shape = (*keys.shape[:3],)  # (B, kv_heads, T)
-        if self.scores is None:
-            self.scores = torch.zeros(*shape[:2], 0, dtype=torch.float32, device=keys.device)
-            self.alive = torch.zeros(*shape[:2], 0, dtype=torch.bool, device=keys.device)
-        self.scores = store_slots(self.scores, slots, self.scores.new_zeros(shape), layer.capacity)
-        self.alive = store_slots(self.alive, slots, self.alive.new_ones(shape), layer.capacity)
+        shape = keys.shape[:3]  # (B, kv_heads, T)
+        unseen = torch.zeros(shape, dtype=torch.float32, device=keys.device)
+        self.scores = store_slots(self.scores, slots, unseen, layer.capacity)
+        self.alive = store_slots(self.alive, slots, unseen == 0, layer.capacity)
 
     def attended(self, layer, slots, mass) -> None:
         if slots is None:

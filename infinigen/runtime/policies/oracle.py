@@ -25,8 +25,6 @@ class OraclePolicy(Policy):
         self.keys: torch.Tensor | None = None  # (B, kv_heads, n, d): every cached key
 
     def stored(self, layer, slots, keys) -> None:
-        if self.keys is None:
-            self.keys = keys.new_zeros(*keys.shape[:2], 0, keys.shape[-1])
         self.keys = store_slots(self.keys, slots, keys, layer.capacity)
 
     def select(self, layer, attention_input, rope) -> Selection:

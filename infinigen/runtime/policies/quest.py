@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from infinigen.runtime.buffers import grown
+from infinigen.runtime.buffers import grown_to
 from infinigen.runtime.policies.base import Policy, Selection
 from infinigen.runtime.policies.infinigen import first_ranks
 from infinigen.runtime.speculation import exact_query
@@ -40,7 +40,7 @@ class QuestPolicy(Policy):
         first, last = slots.start // PAGE, (slots.stop - 1) // PAGE + 1
         span = signed.new_full((*signed.shape[:2], (last - first) * PAGE, *signed.shape[3:]), -math.inf)
         span[:, :, slots.start - first * PAGE : slots.stop - first * PAGE] = signed
-        self.page_bounds = grown(self.page_bounds, math.ceil(layer.capacity / PAGE), 2, fill=-math.inf)
+        self.page_bounds = grown_to(self.page_bounds, math.ceil(layer.capacity / PAGE), 2, fill=-math.inf)
         pages = self.page_bounds[:, :, first:last]
         torch.maximum(pages, span.unflatten(2, (last - first, PAGE)).amax(dim=3), out=pages)
 
@@ -57,7 +57,7 @@ class QuestPolicy(Policy):
         pages = math.ceil(capacity / PAGE)
         k_pages = min(pages, max(1, math.ceil(self.config.budget * capacity / PAGE)))  # static bound
         query = exact_query(layer.attention, layer.runtime.spec, attention_input, rope)  # (B, heads, d)
-        filled = grown(layer.valid[:, :, :capacity], pages * PAGE, 2, fill=False)  # (B, kv_heads, pages * PAGE)
+        filled = grown_to(layer.valid[:, :, :capacity], pages * PAGE, 2, fill=False)  # (B, kv_heads, pages * PAGE)
         empty = ~filled.unflatten(2, (pages, PAGE)).any(dim=-1)  # pages of padding or unused slots only
         cached_pages = (~empty).sum(dim=-1).amax(dim=1)  # (B,)
         page_count = (cached_pages * self.config.budget).ceil().clamp(min=1).to(torch.int32)  # (B,)
