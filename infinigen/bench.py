@@ -44,6 +44,16 @@ SHAPES: dict[str, dict] = {
         vocab_size=50272,
         max_position_embeddings=2048,
     ),
+    "opt-30b": dict(
+        model_type="opt",
+        hidden_size=7168,
+        num_hidden_layers=48,
+        num_attention_heads=56,
+        ffn_dim=28672,
+        word_embed_proj_dim=7168,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+    ),
     "llama-2-7b": dict(
         model_type="llama",
         hidden_size=4096,

@@ -279,7 +279,8 @@ def _print_energy(manifest) -> None:
 @command
 def bench(
     shape: Annotated[
-        str, typer.Option(help="Random-weight model shape: opt-6.7b, opt-13b, llama-2-7b, llama-3-8b, tiny-llama.")
+        str,
+        typer.Option(help="Random-weight model shape: opt-6.7b, opt-13b, opt-30b, llama-2-7b, llama-3-8b, tiny-llama."),
     ] = "llama-3-8b",
     policies: Annotated[
         str,
