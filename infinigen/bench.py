@@ -397,7 +397,7 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
     count, top-k; replayed from a CUDA graph on CUDA, as the runtime does) against the layer's own
     share of a dense decode step, per context length."""
     from infinigen.architectures import model_spec
-    from infinigen.runtime.policies.infinigen import quantize_rows
+    from infinigen.runtime.scoring import quantize_rows
 
     spec = model_spec(model.config)
     device = next(model.parameters()).device

@@ -45,7 +45,7 @@ LookaheadOpt = Annotated[
 ]
 PartialKeyBitsOpt = Annotated[
     int,
-    typer.Option(help="infinigen's partial key cache on the GPU: 8 (int8 + a scale per token) | 16 (model dtype)."),
+    typer.Option(help="infinigen's partial key cache on the GPU: 8 (int8 + a scale per token) | 4 | 16 (model dtype)."),
 ]
 
 
@@ -315,7 +315,9 @@ def bench(
     lookahead_from: Annotated[
         str, typer.Option(help="input | attention, or both comma-separated (a sweep; see `generate --help`).")
     ] = "input",
-    partial_key_bits: Annotated[str, typer.Option(help="infinigen's partial key cache bits: 8, 16 or 8,16.")] = "8",
+    partial_key_bits: Annotated[
+        str, typer.Option(help="infinigen's partial key cache bits: 4, 8, 16, or a list.")
+    ] = "8",
     ratio: Annotated[
         str, typer.Option(help="Partial channels as a share of head_dim, comma-separated (one random artifact each).")
     ] = "0.3",

@@ -17,9 +17,10 @@ from test_runtime import greedy, padded_batch, teacher_forced_argmax, tiny_setup
 from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
 from infinigen.runtime.layers import OffloadedLayer
 from infinigen.runtime.policies.h2o import H2OPolicy
-from infinigen.runtime.policies.infinigen import group_scores, quantize_rows
+from infinigen.runtime.policies.infinigen import group_scores
 from infinigen.runtime.policies.int4 import GroupQuantizer
 from infinigen.runtime.policies.quest import PAGE, QuestPolicy
+from infinigen.runtime.scoring import LEVELS, code_values, quantize_rows
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -86,49 +87,53 @@ def test_group_quantizer_round_trip_error_is_at_most_half_a_step(bits, dtype, he
     assert error.max() > 0  # it does quantize
 
 
-def test_int8_partial_keys_score_as_their_dequantized_values_and_keep_the_ranking():
+@pytest.mark.parametrize(("bits", "dtype", "width", "overlap"), [(8, torch.int8, 24, 0.9), (4, torch.uint8, 12, 0.6)])
+def test_quantized_partial_keys_score_as_their_values_and_keep_the_ranking(bits, dtype, width, overlap):
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(2, 2, 200, 24, generator=generator) * torch.linspace(0.1, 5, 24)  # (B, kv, n, r)
     queries = torch.randn(2, 6, 24, generator=generator)  # 3 query heads per KV head
     valid = torch.rand(2, 2, 200, generator=generator) > 0.2
-    codes, scale = quantize_rows(keys)
-    assert codes.dtype == torch.int8 and scale.shape == keys.shape[:3]
-    assert ((codes * scale[..., None] - keys).abs() <= scale[..., None] / 2 + 1e-6).all()
+    codes, scale = quantize_rows(keys, bits)
+    assert codes.dtype == dtype and codes.shape[-1] == width and scale.shape == keys.shape[:3]
+    values = code_values(codes)
+    assert values.abs().max() == LEVELS[bits]
+    assert ((values * scale[..., None] - keys).abs() <= scale[..., None] / 2 + 1e-6).all()
     scores = group_scores(queries, codes, valid, scale)
-    torch.testing.assert_close(scores, group_scores(queries, codes.float() * scale[..., None], valid))
+    torch.testing.assert_close(scores, group_scores(queries, values.float() * scale[..., None], valid))
     exact = group_scores(queries, keys, valid)
     top = 40
     kept = [
         len(set(a.tolist()) & set(b.tolist())) / top
         for a, b in zip(scores.topk(top).indices.flatten(0, 1), exact.topk(top).indices.flatten(0, 1), strict=True)
     ]
-    assert min(kept) >= 0.9  # the top 20% by int8 scores are (almost all) the top 20% by exact scores
+    assert min(kept) >= overlap  # the top 20% by quantized scores are mostly the top 20% by exact ones
 
 
 FUSED_SCORES_CHECK = r"""
 import torch
-from infinigen.runtime.policies.infinigen import group_scores, quantize_rows
-from infinigen.runtime.scoring import int8_group_scores
+from infinigen.runtime.policies.infinigen import group_scores
+from infinigen.runtime.scoring import fused_group_scores, quantize_rows
 g = torch.Generator().manual_seed(0)
 B, kv, G, cap, n, c = 2, 3, 4, 300, 257, 40
 keys = torch.randn(B, kv, cap, c, generator=g)
-codes, scale = quantize_rows(keys)
 valid = torch.rand(B, kv, cap, generator=g) > 0.3
 q = torch.randn(B, kv * G, c, generator=g)
-out = int8_group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
-ref = group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
-assert out.shape == ref.shape == (B, kv, n) and out.dtype == torch.float32
-assert torch.equal(out.isinf(), ref.isinf()), "masked slots"
-torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+for bits in (8, 4):
+    codes, scale = quantize_rows(keys, bits)
+    out = fused_group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
+    ref = group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
+    assert out.shape == ref.shape == (B, kv, n) and out.dtype == torch.float32
+    assert torch.equal(out.isinf(), ref.isinf()), "masked slots"
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 print("ok")
 """
 
 
 @pytest.mark.skipif(scoring.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernel")
-def test_fused_int8_scores_in_interpreter():
-    """The Triton kernel (run by Triton's CPU interpreter) scores a slice of capacity-sized buffers as
-    the PyTorch path does, -inf where invalid."""
+def test_fused_scores_in_interpreter():
+    """The Triton kernel (run by Triton's CPU interpreter) scores 8- and 4-bit codes in slices of
+    capacity-sized buffers as the PyTorch path does, -inf where invalid."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run(
@@ -139,15 +144,17 @@ def test_fused_int8_scores_in_interpreter():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_fused_int8_scores_on_cuda_match_the_pytorch_path():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fused_scores_on_cuda_match_the_pytorch_path(bits):
     generator = torch.Generator().manual_seed(1)
     keys = torch.randn(2, 8, 1000, 40, generator=generator)
-    codes, scale = quantize_rows(keys.bfloat16())
+    codes, scale = quantize_rows(keys.bfloat16(), bits)
     valid = torch.rand(2, 8, 1000, generator=generator) > 0.3
     queries = torch.randn(2, 32, 40, generator=generator).bfloat16()
     n = 777  # a slice of capacity-sized buffers, as the runtime passes them
-    fused = scoring.int8_group_scores(*(t.cuda() for t in (queries, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])))
-    expected = group_scores(queries.float(), codes[:, :, :n], valid[:, :, :n], scale[:, :, :n].float())
+    sliced = (codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
+    fused = scoring.fused_group_scores(queries.cuda(), *(t.cuda() for t in sliced))
+    expected = group_scores(queries.float(), sliced[0], sliced[1], sliced[2].float())
     assert torch.equal(fused.isinf().cpu(), ~valid[:, :, :n])
     torch.testing.assert_close(fused.cpu(), expected, rtol=1e-4, atol=1e-3)
 

@@ -178,13 +178,15 @@ def test_small_pool_evicts_and_stays_consistent(tokenizer, eviction, device):
     assert int(layer.fetch_count[:, :, :32].sum()) > 0
 
 
-@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("bits", [4, 8, 16])
 def test_partial_key_cache_bits(tokenizer, bits, device):
     model, artifact = tiny_setup(tokenizer, "llama", device)
     cache = cache_for(model, artifact, partial_key_bits=bits, budget=0.5, alpha=1e9)
     greedy(model, {"input_ids": torch.randint(3, 512, (2, 30), device=device)}, cache, new_tokens=4)
     policy = cache.layers[2].policy
-    assert policy.partial_key_cache.dtype == (torch.int8 if bits == 8 else model.dtype)
+    assert policy.partial_key_cache.dtype == {4: torch.uint8, 8: torch.int8, 16: model.dtype}[bits]
+    channels = cache.layers[2].speculator.key_projection.shape[-1]
+    assert policy.partial_key_cache.shape[-1] == (channels // 2 if bits == 4 else channels)  # 4 bits: two a byte
     assert (policy.partial_key_scale is None) == (bits == 16)
     assert policy.partial_key_cache.shape[2] == cache.layers[2].capacity  # sized by the pool, no headroom
 
@@ -205,7 +207,7 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"policy": "magic"}, "unknown policy 'magic'"),
         ({"eviction": "random"}, "eviction must be one of"),
         ({"lookahead_from": "output"}, "lookahead_from must be one of"),
-        ({"partial_key_bits": 4}, "partial_key_bits must be 8 or 16"),
+        ({"partial_key_bits": 2}, "partial_key_bits must be 4, 8 or 16"),
         ({"dense_layers": 0}, "dense_layers must be at least 1"),
     ],
 )

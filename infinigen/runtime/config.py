@@ -8,7 +8,7 @@ from infinigen.errors import InfinigenError
 
 EVICTIONS = ("counter", "fifo", "lru")
 LOOKAHEAD_FROM = ("input", "attention")
-PARTIAL_KEY_BITS = (8, 16)
+PARTIAL_KEY_BITS = (4, 8, 16)
 DEFAULT_ALPHA = {"opt": 4.0}  # the paper's settings: 4 for OPT, 5 for Llama-2 (used for every RoPE family)
 ROPE_ALPHA = 5.0
 
@@ -30,7 +30,7 @@ class RuntimeConfig:
     # i-1's attention (closer to layer i's input; the transfer overlaps only layer i-1's MLP).
     lookahead_from: str = "input"
     # Bits per value of infinigen's partial key cache on the GPU: 8 (int8 codes with a per-token
-    # scale, half the memory and reads) or 16 (the model's dtype, as the paper).
+    # scale, half the memory and reads), 4 (two codes a byte) or 16 (the model's dtype, as the paper).
     partial_key_bits: int = 8
 
     def __post_init__(self) -> None:
@@ -46,7 +46,7 @@ class RuntimeConfig:
             choices = ", ".join(LOOKAHEAD_FROM)
             raise InfinigenError(f"lookahead_from must be one of {choices}, got {self.lookahead_from!r}")
         if self.partial_key_bits not in PARTIAL_KEY_BITS:
-            raise InfinigenError(f"partial_key_bits must be 8 or 16, got {self.partial_key_bits!r}")
+            raise InfinigenError(f"partial_key_bits must be 4, 8 or 16, got {self.partial_key_bits!r}")
         if self.cpu_pool_gb is not None and self.cpu_pool_gb <= 0:
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
 

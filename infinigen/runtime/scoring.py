@@ -1,6 +1,10 @@
-"""Speculated scores over the int8 partial key cache as one fused kernel.
+"""The quantized partial key cache: its format, and its scores as one fused kernel.
 
-PyTorch needs five kernels for them (int8 -> float copy of the whole cache, batched GEMM, max over
+Format (``quantize_rows``): symmetric per row (one token of one KV head), a scale in the model's
+dtype and integer codes: int8 codes at 8 bits; at 4 bits codes in -7 .. 7, two a byte (channel 2j
+in the low nibble of byte j, 2j+1 in the high one), stored as uint8. The dtype tells them apart.
+
+Scores: PyTorch needs five kernels (codes -> float copy of the whole cache, batched GEMM, max over
 the query group, scale, mask), and the copy alone costs more than the rest: 110 us per layer at
 8 x 16K tokens on an H200. The Triton kernel reads each token's codes once and writes its score.
 """
@@ -14,14 +18,39 @@ import torch
 from infinigen.runtime.transfer import triton
 
 TOKENS_PER_PROGRAM = 128
+LEVELS = {8: 127, 4: 7}  # largest code magnitude per bit width
+
+
+def quantize_rows(rows: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., c) -> codes (..., c) int8 (8 bits) or (..., c / 2) uint8 (4 bits), and scale (...) in
+    ``rows``' dtype: rows ~= code_values(codes) * scale[..., None], off by at most half a step."""
+    levels = LEVELS[bits]
+    if bits == 4 and rows.shape[-1] % 2:
+        raise ValueError(f"4-bit codes pack channels in pairs, got {rows.shape[-1]} channels")
+    wide = rows.float()
+    scale = (wide.abs().amax(dim=-1) / levels).clamp(min=torch.finfo(rows.dtype).tiny).to(rows.dtype)
+    codes = (wide / scale.float()[..., None]).round().clamp(-levels, levels).to(torch.int8)
+    if bits == 8:
+        return codes, scale
+    nibbles = codes & 0xF  # two's complement in 4 bits
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).view(torch.uint8), scale
+
+
+def code_values(codes: torch.Tensor) -> torch.Tensor:
+    """The integer value of every code, (..., c) int8."""
+    if codes.dtype == torch.int8:
+        return codes
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).view(torch.int8)
+    return (nibbles ^ 8) - 8  # sign-extend 4 bits
+
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _int8_scores_kernel(
+    def _quantized_scores_kernel(
         query,  # (B * kv_heads, group, channels) contiguous
-        codes,  # (B * kv_heads, n, channels) int8, row stride codes_stride
+        codes,  # (B * kv_heads, n, channels or channels / 2) int8 or packed uint8, row stride codes_stride
         scale,  # (B * kv_heads, n), row stride slot_stride
         valid,  # (B * kv_heads, n) bool as uint8, row stride slot_stride
         out,  # (B * kv_heads, n) float32 contiguous
@@ -31,17 +60,22 @@ if triton is not None:
         group: tl.constexpr,
         channels: tl.constexpr,
         channels_pow2: tl.constexpr,
+        packed: tl.constexpr,  # two 4-bit codes a byte
         tokens: tl.constexpr,
     ):
         row = tl.program_id(0)
         t = tl.program_id(1) * tokens + tl.arange(0, tokens)
         c = tl.arange(0, channels_pow2)
         live = t < n
-        keys = tl.load(
-            codes + row * codes_stride + t[:, None] * channels + c[None, :],
-            mask=live[:, None] & (c < channels)[None, :],
-            other=0,
-        ).to(tl.float32)  # (tokens, channels_pow2)
+        mask = live[:, None] & (c < channels)[None, :]
+        if packed:
+            raw = tl.load(codes + row * codes_stride + t[:, None] * (channels // 2) + (c // 2)[None, :], mask=mask)
+            nibble = (raw.to(tl.int32) >> ((c % 2) * 4)[None, :]) & 0xF
+            keys = ((nibble ^ 8) - 8).to(tl.float32)  # (tokens, channels_pow2)
+        else:
+            keys = tl.load(codes + row * codes_stride + t[:, None] * channels + c[None, :], mask=mask, other=0)
+            keys = keys.to(tl.float32)
+        keys = tl.where(mask, keys, 0.0)
         best = tl.full((tokens,), -float("inf"), tl.float32)
         for g in tl.static_range(group):
             q = tl.load(query + (row * group + g) * channels + c, mask=c < channels, other=0).to(tl.float32)
@@ -55,22 +89,23 @@ def fused_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def int8_group_scores(
+def fused_group_scores(
     queries: torch.Tensor,  # (B, heads, c)
-    codes: torch.Tensor,  # (B, kv_heads, n, c) int8, a slice of a capacity-sized buffer
+    codes: torch.Tensor,  # (B, kv_heads, n, c or c / 2) from quantize_rows, a slice of a capacity-sized buffer
     valid: torch.Tensor,  # (B, kv_heads, n) bool, likewise
     key_scale: torch.Tensor,  # (B, kv_heads, n), likewise
 ) -> torch.Tensor:
     """(B, kv_heads, n) float32: each KV head's token scored by its query group's best logit
-    (``group_scores`` with int8 keys), -inf where ``valid`` is False."""
-    batch, kv_heads, n, channels = codes.shape
-    if codes.stride(3) != 1 or codes.stride(2) != channels or codes.stride(0) != kv_heads * codes.stride(1):
+    (``group_scores`` over quantized keys), -inf where ``valid`` is False."""
+    batch, kv_heads, n, width = codes.shape
+    channels = queries.shape[-1]
+    if codes.stride(3) != 1 or codes.stride(2) != width or codes.stride(0) != kv_heads * codes.stride(1):
         raise ValueError("codes must be slices of a contiguous (B, kv_heads, capacity, c) buffer")
     if valid.stride() != key_scale.stride() or valid.stride(2) != 1 or valid.stride(0) != kv_heads * valid.stride(1):
         raise ValueError("valid and key_scale must be slices of contiguous (B, kv_heads, capacity) buffers")
     out = torch.empty(batch, kv_heads, n, dtype=torch.float32, device=codes.device)
     grid = (batch * kv_heads, math.ceil(n / TOKENS_PER_PROGRAM))
-    _int8_scores_kernel[grid](
+    _quantized_scores_kernel[grid](
         queries.contiguous(),
         codes,
         key_scale,
@@ -82,6 +117,7 @@ def int8_group_scores(
         group=queries.shape[1] // kv_heads,
         channels=channels,
         channels_pow2=triton.next_power_of_2(channels),
+        packed=codes.dtype == torch.uint8,
         tokens=TOKENS_PER_PROGRAM,
     )
     return out

@@ -9,7 +9,7 @@ import torch
 
 from infinigen.runtime.buffers import store_slots
 from infinigen.runtime.policies.base import Policy, Selection
-from infinigen.runtime.scoring import fused_available, int8_group_scores
+from infinigen.runtime.scoring import code_values, fused_available, fused_group_scores, quantize_rows
 
 
 class InfinigenPolicy(Policy):
@@ -20,15 +20,16 @@ class InfinigenPolicy(Policy):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        # On the compute device: (B, kv_heads, n, r) partial keys, int8 codes with partial_key_bits=8;
-        # their per-token scale (B, kv_heads, n) in the model's dtype (None at 16 bits).
+        # On the compute device: (B, kv_heads, n, r) partial keys, or their codes (scoring.quantize_rows:
+        # int8 at partial_key_bits=8, two 4-bit codes a byte at 4) and per-token scale (B, kv_heads, n)
+        # in the model's dtype (None at 16 bits).
         self.partial_key_cache: torch.Tensor | None = None
         self.partial_key_scale: torch.Tensor | None = None
 
     def stored(self, layer, slots, keys) -> None:
         partial = layer.speculator.partial_keys(keys)  # (B, kv_heads, T, r)
-        if self.config.partial_key_bits == 8:
-            partial, scale = quantize_rows(partial)
+        if self.config.partial_key_bits < 16:
+            partial, scale = quantize_rows(partial, self.config.partial_key_bits)
             self.partial_key_scale = store_slots(self.partial_key_scale, slots, scale, layer.capacity)
         self.partial_key_cache = store_slots(self.partial_key_cache, slots, partial, layer.capacity)
 
@@ -57,7 +58,7 @@ def select_tokens(
     budget: float,
     alpha: float,
     min_tokens: int,
-    key_scale: torch.Tensor | None = None,  # (B, kv_heads, n) for int8 partial keys
+    key_scale: torch.Tensor | None = None,  # (B, kv_heads, n) for quantized partial keys
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculated scores -> (slots (B, kv_heads, k_max) ascending, count (B,) int32)."""
     scores = group_scores(partial_query, partial_keys, valid, key_scale)
@@ -76,25 +77,18 @@ def group_scores(
 ) -> torch.Tensor:
     """queries (B, heads, c) x keys (B, kv_heads, n, c) -> (B, kv_heads, n) float: each KV head scores a
     token by the best logit of its query group; -inf where ``valid`` is False. With ``key_scale``
-    (B, kv_heads, n) the keys are int8 codes of ``keys * key_scale`` (a positive scale per token
-    commutes with the max over the group)."""
+    (B, kv_heads, n) the keys are the codes of ``quantize_rows`` (a positive scale per token commutes
+    with the max over the group)."""
     if key_scale is not None and fused_available(keys.device):
-        return int8_group_scores(queries, keys, valid, key_scale)
+        return fused_group_scores(queries, keys, valid, key_scale)
+    if key_scale is not None:
+        keys = code_values(keys)
     batch, kv_heads = keys.shape[:2]
     grouped = queries.view(batch, kv_heads, -1, queries.shape[-1])
     scores = torch.einsum("bkgc,bktc->bkgt", grouped, keys.to(queries.dtype)).amax(dim=2).float()
     if key_scale is not None:
         scores = scores * key_scale
     return scores.masked_fill(~valid, -math.inf)
-
-
-def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row: (..., c) -> codes (..., c) int8 and scale (...) in ``rows``' dtype,
-    rows ~= codes * scale[..., None] (error at most half a step, 1/254 of the row's largest value)."""
-    wide = rows.float()
-    scale = (wide.abs().amax(dim=-1) / 127).clamp(min=torch.finfo(rows.dtype).tiny).to(rows.dtype)
-    codes = (wide / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return codes, scale
 
 
 def first_ranks(ranked: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
