@@ -54,6 +54,8 @@ def test_selection_recall_is_one_for_the_oracle_and_below_for_speculation(tokeni
     ids = torch.randint(3, 512, (2, 96), generator=torch.Generator().manual_seed(4))
     oracle = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="oracle", budget=0.25)
     assert oracle["recall"] == 1.0 and set(oracle["recall_per_layer"]) == {2}
+    blocks = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="oracle", budget=0.25, block_tokens=16)
+    assert blocks["recall"] == 1.0  # the true scores are read block by block from the pool
     speculated = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="quest", budget=0.25)
     assert 0 < speculated["recall"] < 1
     exact = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="infinigen", **EXACT)
