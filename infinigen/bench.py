@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.runtime import POLICIES, cache_argument, cache_for
+from infinigen.prepare import DEFAULT_RATIO
+from infinigen.runtime import POLICIES, RuntimeConfig, cache_argument, cache_for
 
 SHAPES: dict[str, dict] = {
     "opt-6.7b": dict(
@@ -130,8 +131,8 @@ class BenchCase:
     alpha: float | None = math.inf  # random weights: the budget fixes the count
     cuda_graphs: bool = True  # capturable policies replay their selection from CUDA graphs
     lookahead_from: str = "input"
-    partial_key_bits: int = 8
-    ratio: float = 0.3  # the artifact's partial channels (speculating policies)
+    partial_key_bits: int = RuntimeConfig.partial_key_bits
+    ratio: float = DEFAULT_RATIO  # the artifact's partial channels (speculating policies)
 
 
 def bench_cases(
@@ -142,8 +143,8 @@ def bench_cases(
     *,
     cuda_graphs: bool = True,
     lookahead_from: tuple[str, ...] = ("input",),
-    partial_key_bits: tuple[int, ...] = (8,),
-    ratios: tuple[float, ...] = (0.3,),
+    partial_key_bits: tuple[int, ...] = (RuntimeConfig.partial_key_bits,),
+    ratios: tuple[float, ...] = (DEFAULT_RATIO,),
 ) -> list[BenchCase]:
     """Every context x batch x policy setting; the runtime-option sweeps multiply only the policies
     they change (ratio and partial-key bits: speculating policies; lookahead_from: offloading ones
@@ -407,7 +408,7 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
         x = torch.randn(batch, spec.hidden_size, device=device, dtype=dtype)
         query_projection = torch.randn(spec.n_heads, spec.hidden_size, rank, device=device, dtype=dtype)
         partial_keys = torch.randn(batch, spec.n_kv_heads, context, rank, device=device, dtype=dtype)
-        codes, scale = quantize_rows(partial_keys)  # as the runtime stores them (partial_key_bits=8)
+        codes, scale = quantize_rows(partial_keys, RuntimeConfig.partial_key_bits)  # as the runtime stores them
         valid = torch.ones(batch, spec.n_kv_heads, context, dtype=torch.bool, device=device)
         speculate = functools.partial(_speculate, x, query_projection, codes, scale, valid, budget)
         speculation_ms = _median_ms(_captured(speculate) if device.type == "cuda" else speculate, device)

@@ -45,7 +45,7 @@ LookaheadOpt = Annotated[
 ]
 PartialKeyBitsOpt = Annotated[
     int,
-    typer.Option(help="infinigen's partial key cache on the GPU: 8 (int8 + a scale per token) | 4 | 16 (model dtype)."),
+    typer.Option(help="infinigen's partial key cache on the GPU: 4 (two codes a byte + a scale per token) | 8 | 16."),
 ]
 
 
@@ -86,7 +86,7 @@ def command(fn: Callable, on: typer.Typer = app) -> Callable:
 def prepare(
     model: ModelArg = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Artifact folder to write.")] = Path("skewed"),
-    ratio: Annotated[float, typer.Option(help="Share of head_dim kept as partial channels.")] = 0.3,
+    ratio: Annotated[float, typer.Option(help="Share of head_dim kept as partial channels.")] = 0.5,
     tokens: Annotated[int, typer.Option(help="Calibration tokens per text.")] = 2048,
     calibration: Annotated[
         list[Path] | None, typer.Option(help="Calibration text file (repeatable). Default: a bundled PG-19 excerpt.")
@@ -317,10 +317,10 @@ def bench(
     ] = "input",
     partial_key_bits: Annotated[
         str, typer.Option(help="infinigen's partial key cache bits: 4, 8, 16, or a list.")
-    ] = "8",
+    ] = "4",
     ratio: Annotated[
         str, typer.Option(help="Partial channels as a share of head_dim, comma-separated (one random artifact each).")
-    ] = "0.3",
+    ] = "0.5",
     as_json: JsonOpt = False,
 ) -> None:
     """Decode throughput of each policy on one random-weight model, in one run, with the pinned
@@ -403,12 +403,12 @@ def _random_artifact(model, shape: str, ratio: float):
 def _micro(model, device: str, contexts: list[int], budget: float) -> dict:
     from infinigen.architectures import model_spec
     from infinigen.bench import micro_gather, micro_speculation
-    from infinigen.prepare import n_channels_for
+    from infinigen.prepare import DEFAULT_RATIO, n_channels_for
 
     spec = model_spec(model.config)
     dtype = next(model.parameters()).dtype
     fractions = [0.01, 0.02, 0.05, 0.1, 0.2]
-    rank = -(-n_channels_for(0.3, spec.head_dim) // 8) * 8  # padded to a multiple of 8, as the runtime does
+    rank = -(-n_channels_for(DEFAULT_RATIO, spec.head_dim) // 8) * 8  # padded to a multiple of 8 as the runtime does
     return {
         "gather": micro_gather(device, dtype, spec.n_kv_heads, spec.head_dim, contexts, fractions),
         "speculation": micro_speculation(model, budget, 1, contexts, rank),
@@ -494,7 +494,7 @@ def generate(
     cpu_pool_gb: Annotated[float | None, typer.Option(help="Limit of the CPU KV pool (evicts when full).")] = None,
     eviction: Annotated[str, typer.Option(help="counter | fifo | lru.")] = "counter",
     lookahead_from: LookaheadOpt = "input",
-    partial_key_bits: PartialKeyBitsOpt = 8,
+    partial_key_bits: PartialKeyBitsOpt = 4,
     prefill_chunk: Annotated[
         int, typer.Option(help="Prefill long prompts in chunks of this many tokens (bounds GPU memory); 0: one pass.")
     ] = 4096,
@@ -726,7 +726,7 @@ def ppl(
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
     lookahead_from: LookaheadOpt = "input",
-    partial_key_bits: PartialKeyBitsOpt = 8,
+    partial_key_bits: PartialKeyBitsOpt = 4,
     cpu_pool_fraction: Annotated[
         float | None, typer.Option(help="Limit the CPU pool to this share of a window's tokens (evicts).")
     ] = None,
@@ -803,11 +803,14 @@ def tasks(
     shots: Annotated[int, typer.Option(help="Demonstrations before each example.")] = 5,
     limit: Annotated[int, typer.Option(help="Examples per task (the first of its validation split).")] = 100,
     seed: Annotated[int, typer.Option(help="Seed of the demonstrations' draw.")] = 0,
+    batch: Annotated[
+        int, typer.Option(help="Examples scored together, all their choices one batch through one cache.")
+    ] = 8,
     policies: PoliciesOpt = "dense,infinigen",
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
     lookahead_from: LookaheadOpt = "input",
-    partial_key_bits: PartialKeyBitsOpt = 8,
+    partial_key_bits: PartialKeyBitsOpt = 4,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
@@ -823,8 +826,8 @@ def tasks(
     """
     from infinigen.tasks import average, builtin_examples, jsonl_examples, task_accuracy
 
-    if shots < 0 or limit < 1:
-        raise InfinigenError(f"--shots must be >= 0 and --limit >= 1, got {shots} and {limit}")
+    if shots < 0 or limit < 1 or batch < 1:
+        raise InfinigenError(f"--shots must be >= 0, --limit and --batch >= 1, got {shots}, {limit}, {batch}")
     if data:
         examples = {path.stem: jsonl_examples(path) for path in data}
     else:
@@ -837,8 +840,9 @@ def tasks(
     with _progress(disable=as_json) as bar:
         scoring = bar.add_task("examples", total=len(all_settings) * sum(min(limit, len(e)) for e in examples.values()))
         for settings in all_settings:
-            results = {
-                name: task_accuracy(
+            results = {}
+            for name, task_examples in examples.items():
+                results[name] = task_accuracy(
                     loaded.model,
                     loaded.tokenizer,
                     checked,
@@ -846,13 +850,20 @@ def tasks(
                     shots=shots,
                     limit=limit,
                     seed=seed,
+                    batch=batch,
                     advance=functools.partial(bar.advance, scoring),
                     **settings,
                 )
-                for name, task_examples in examples.items()
-            }
+                print(json.dumps({**settings, "task": name, **results[name]}), file=sys.stderr, flush=True)
             rows.append({**settings, "tasks": results, "average": average(results)})
-    report = {"model": loaded.source.model_id, "shots": shots, "limit": limit, "seed": seed, "results": rows}
+    report = {
+        "model": loaded.source.model_id,
+        "shots": shots,
+        "limit": limit,
+        "seed": seed,
+        "batch": batch,
+        "results": rows,
+    }
     if _printed_json(report, as_json):
         return
     flat = [
@@ -879,7 +890,7 @@ def needle(
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
     lookahead_from: LookaheadOpt = "input",
-    partial_key_bits: PartialKeyBitsOpt = 8,
+    partial_key_bits: PartialKeyBitsOpt = 4,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     as_json: JsonOpt = False,

@@ -47,7 +47,7 @@ def test_manifest_records_provenance(saved):
     assert set(manifest["base_model"]) == {"model_id", "revision", "kind", "hub_id", "fingerprint"}
     assert manifest["calibration"]["sources"][0]["tokens"] == manifest["calibration"]["tokens"] == 128
     assert {"infinigen", "torch", "transformers"} <= set(manifest["versions"])
-    assert manifest["n_channels"] == 5  # ceil(0.3 * 16)
+    assert manifest["n_channels"] == 8  # ceil(0.5 * 16)
 
 
 def test_opens_for_its_own_model(tiny, saved):

@@ -23,6 +23,24 @@ def invoke(*args: str):
     return runner.invoke(app, list(args), catch_exceptions=False)
 
 
+def test_command_defaults_are_the_library_defaults():
+    """The CLI spells its defaults as literals (it starts without importing torch): they must stay
+    the library's."""
+    import inspect
+
+    from infinigen import cli
+    from infinigen.prepare import DEFAULT_RATIO
+    from infinigen.runtime import RuntimeConfig
+
+    def default(command, name):
+        return inspect.signature(command).parameters[name].default
+
+    assert default(cli.prepare, "ratio") == DEFAULT_RATIO and default(cli.bench, "ratio") == str(DEFAULT_RATIO)
+    assert default(cli.bench, "partial_key_bits") == str(RuntimeConfig.partial_key_bits)
+    for command in (cli.generate, cli.ppl, cli.tasks, cli.needle):
+        assert default(command, "partial_key_bits") == RuntimeConfig.partial_key_bits, command.__name__
+
+
 @pytest.fixture
 def checkpoint(tmp_path, tokenizer):
     def save(arch: str):

@@ -17,6 +17,7 @@ from infinigen.models import LoadedModel, ModelSource
 from infinigen.prepare import prepare_artifact
 from infinigen.runtime import InfinigenCache, cache_argument, cache_for
 from infinigen.runtime.layers import OffloadedLayer
+from infinigen.runtime.scoring import LEVELS, code_values
 
 EXACT = dict(budget=1.0, alpha=1e9)
 
@@ -172,8 +173,10 @@ def test_small_pool_evicts_and_stays_consistent(tokenizer, eviction, device):
     assert bool(layer.valid[:, :, :32].all())
     keys = torch.stack([block[:, :, :, 0] for block in layer.pool.blocks], dim=2).flatten(2, 3)  # (B, h, 32, d)
     partial = layer.speculator.partial_keys(keys.to(device))  # (B, h, 32, r)
-    stored = layer.policy.partial_key_cache[:, :, :32] * layer.policy.partial_key_scale[:, :, :32, None]
-    step = partial.abs().amax(dim=-1, keepdim=True) / 127  # int8: off by at most half a step per value
+    codes = code_values(layer.policy.partial_key_cache[:, :, :32])
+    stored = codes * layer.policy.partial_key_scale[:, :, :32, None]
+    step = partial.abs().amax(dim=-1, keepdim=True) / LEVELS[layer.policy.config.partial_key_bits]
+    # quantized: each value off by at most half a step
     assert bool(((stored - partial).abs() <= step / 2 + 1e-6).all())
     assert int(layer.fetch_count[:, :, :32].sum()) > 0
 

@@ -23,6 +23,11 @@ from infinigen.prepare.skew import CHANNEL_RULES, SKEWS, HeadSkew, group_queries
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
+# Share of head_dim kept as partial channels: 0.5 with the runtime's 4-bit partial keys meets the
+# perplexity targets in less GPU memory than the paper's 0.3 at 16 bits (ACCURACY.md, BENCHMARKS.md).
+DEFAULT_RATIO = 0.5
+
+
 def n_channels_for(ratio: float, head_dim: int) -> int:
     if not 0 < ratio <= 1:
         raise InfinigenError(f"--ratio must be in (0, 1], got {ratio}")
@@ -54,7 +59,7 @@ def skew_layer(queries: torch.Tensor, keys: torch.Tensor, n_kv_heads: int, n_cha
 def prepare_artifact(
     loaded: LoadedModel,
     *,
-    ratio: float = 0.3,
+    ratio: float = DEFAULT_RATIO,
     tokens: int = 2048,
     calibration: list[Path] | None = None,
     samples: list[CalibrationSample] | None = None,

@@ -29,9 +29,9 @@ class RuntimeConfig:
     # i-1 (the paper; its transfer overlaps all of layer i-1), or "attention", the residual after layer
     # i-1's attention (closer to layer i's input; the transfer overlaps only layer i-1's MLP).
     lookahead_from: str = "input"
-    # Bits per value of infinigen's partial key cache on the GPU: 8 (int8 codes with a per-token
-    # scale, half the memory and reads), 4 (two codes a byte) or 16 (the model's dtype, as the paper).
-    partial_key_bits: int = 8
+    # Bits per value of infinigen's partial key cache on the GPU: 4 (two codes a byte with a per-token
+    # scale), 8 (int8 codes with a per-token scale) or 16 (the model's dtype, as the paper).
+    partial_key_bits: int = 4
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
