@@ -51,18 +51,24 @@ class SelectionGraph:
         self.hidden = hidden.clone()  # static inputs, refilled before each replay
         self.rope = tuple(t.clone() for t in rope) if rope is not None else ()
         static_rope = self.rope or None
-        warmup = torch.cuda.Stream(device)  # lazy initialisation (cuBLAS workspaces) stays outside
-        warmup.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(warmup):
-            layer.select(self.hidden, norm, static_rope)
-        torch.cuda.current_stream(device).wait_stream(warmup)
+        side = torch.cuda.Stream(device)  # captures must not run on the default stream
+        side.wait_stream(torch.cuda.current_stream(device))
         graph = torch.cuda.CUDAGraph()
         collecting = gc.isenabled()
         gc.disable()  # a collection inside the capture could destroy a dead cache's graphs: that ends the capture
         try:
-            with torch.cuda.graph(graph):
-                self.outputs = layer.select(self.hidden, norm, static_rope)
+            with torch.cuda.stream(side):
+                layer.select(self.hidden, norm, static_rope)  # lazy initialisation (cuBLAS workspaces) stays outside
+                # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device and
+                # empties the allocator's cache (every later allocation a cudaMalloc again): per capture
+                # costly where caches are short-lived (evaluations)
+                graph.capture_begin()
+                try:
+                    self.outputs = layer.select(self.hidden, norm, static_rope)
+                finally:
+                    graph.capture_end()
         finally:
             if collecting:
                 gc.enable()
+        torch.cuda.current_stream(device).wait_stream(side)
         self.graph, self.capacity = graph, layer.capacity

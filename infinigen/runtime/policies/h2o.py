@@ -11,7 +11,7 @@ import torch
 
 from infinigen.runtime.buffers import store_slots
 from infinigen.runtime.policies.base import Policy, Selection
-from infinigen.runtime.policies.infinigen import first_ranks
+from infinigen.runtime.top_slots import first_ranks
 
 
 class H2OPolicy(Policy):

@@ -10,6 +10,7 @@ import torch
 from infinigen.runtime.buffers import store_slots
 from infinigen.runtime.policies.base import Policy, Selection
 from infinigen.runtime.scoring import code_values, fused_available, fused_group_scores, quantize_rows
+from infinigen.runtime.top_slots import top_slots
 
 
 class InfinigenPolicy(Policy):
@@ -62,14 +63,14 @@ def select_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculated scores -> (slots (B, kv_heads, k_max) ascending, count (B,) int32)."""
     scores = group_scores(partial_query, partial_keys, valid, key_scale)
-    top = scores.topk(k_max, dim=-1)
     # Per batch row: tokens within alpha of each head's best, averaged over its KV heads, then
     # capped by the budget share of the row's own cached tokens (rows never influence each other).
-    above = (scores > top.values[..., :1] - alpha).sum(dim=-1).float().mean(dim=1)  # (B,)
+    best = scores.amax(dim=-1, keepdim=True)
+    above = (scores > best - alpha).sum(dim=-1).float().mean(dim=1)  # (B,)
     cached = valid.sum(dim=-1).amax(dim=1)  # (B,)
     cap = (cached * budget).ceil().clamp(min=min_tokens).minimum(cached)
     count = above.round().maximum(cached.clamp(max=min_tokens)).minimum(cap).to(torch.int32)
-    return first_ranks(top.indices, count, scores.shape[-1]), count
+    return top_slots(scores, count, k_max), count
 
 
 def group_scores(
@@ -89,11 +90,3 @@ def group_scores(
     if key_scale is not None:
         scores = scores * key_scale
     return scores.masked_fill(~valid, -math.inf)
-
-
-def first_ranks(ranked: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
-    """The first count[b] slots of each ranked row (B, kv_heads, K), ascending; the rest sort last
-    (clamped to a real slot: never fetched, since the gather stops at the count)."""
-    rank = torch.arange(ranked.shape[-1], device=ranked.device)
-    kept = torch.where(rank < count[:, None, None], ranked, n)
-    return kept.sort(dim=-1).values.clamp(max=n - 1)

@@ -11,8 +11,8 @@ import torch
 
 from infinigen.runtime.buffers import grown_to
 from infinigen.runtime.policies.base import Policy, Selection
-from infinigen.runtime.policies.infinigen import first_ranks
 from infinigen.runtime.speculation import exact_query
+from infinigen.runtime.top_slots import first_ranks
 
 PAGE = 16
 
