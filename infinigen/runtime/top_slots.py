@@ -3,11 +3,11 @@
 ``top_slots(scores, count, k_max)`` keeps, per row, the ``count`` best-scoring slots, ascending (the
 order the gather reads the pool in). PyTorch needs a top-k over the whole row and a sort of the kept
 slots; at 20% of 32K tokens both sort thousands of elements per row (~150 us of a layer's ~300 us
-selection on an H100). On CUDA a radix select finds each row's threshold in four passes of 4-bit
+selection, in an H200 profile). On CUDA a radix select finds each row's threshold in four passes of 4-bit
 digits over the top 16 bits of the scores' order-preserving bit pattern (the score truncated to
 bfloat16: speculated scores carry no more precision than that), each pass a 16-bin histogram of the
-row split over many programs; a prefix-sum compaction then writes the kept slots in order. Seven
-small kernels, no sort.
+row split over many programs; a prefix-sum compaction then writes the kept slots in order. Eight
+small kernels (two of them fills), no sort.
 
 Both paths rank the same way (scores equal to bfloat16 precision tie; ties keep the lowest slots):
 the CPU path (a stable sort) gives the slots the CUDA kernels give.
