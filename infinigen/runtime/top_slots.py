@@ -64,7 +64,8 @@ if triton is not None:
     @triton.jit
     def _threshold(histograms, count, row, rows, heads, passes: tl.constexpr, bits: tl.constexpr):
         """After ``passes`` histogram passes: the key prefix that the row's count-th largest key starts
-        with, and how many keys with that prefix are still to keep."""
+        with, and how many keys with that prefix are still to keep. Every program walks the earlier
+        passes' histograms (16 counts each) itself: cheaper than a kernel per pass to store it."""
         bins: tl.constexpr = 1 << bits
         digit = tl.arange(0, bins)
         prefix = tl.full((), 0, tl.uint32)
