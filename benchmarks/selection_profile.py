@@ -1,7 +1,8 @@
 """One layer's speculation (``select_tokens``: 4-bit partial keys over 64 channels, i.e. ratio 0.5 of
 head_dim 128, Llama-3-8B's 32 query / 8 KV heads), replayed from a CUDA graph as the runtime does:
 the radix ``top_slots`` against the PyTorch top-k + sort it replaced, in one process, then a kernel
-profile of the radix path at 1 x 32K. Needs CUDA.
+profile of the radix path at 1 x 32K. Needs CUDA. (BENCHMARKS.md session 5's table came from this
+measurement with five warm-up replays instead of one.)
 
     python benchmarks/selection_profile.py
 """
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import infinigen.runtime.policies.infinigen as speculation
+from infinigen.bench import captured_replay, median_ms
 from infinigen.runtime import top_slots as selection
 from infinigen.runtime.scoring import quantize_rows
 
@@ -23,32 +24,6 @@ from infinigen.runtime.scoring import quantize_rows
 def pytorch_top_slots(scores: torch.Tensor, count: torch.Tensor, k_max: int) -> torch.Tensor:
     """The selection before the radix select: top-k over the row, then a sort of the kept slots."""
     return selection.first_ranks(scores.topk(k_max, dim=-1).indices, count, scores.shape[-1])
-
-
-def captured(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def median_ms(fn, repeats: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times)
 
 
 def inputs(batch: int, context: int):
@@ -70,12 +45,12 @@ def main() -> None:
                 select = functools.partial(
                     speculation.select_tokens, query, codes, valid, k_max, budget, math.inf, 8, key_scale=scale
                 )
-                replay = captured(select)
-                times[name] = median_ms(replay)
+                times[name] = median_ms(captured_replay(select), torch.device("cuda"), repeats=50)
             speculation.top_slots = selection.top_slots
             print(f"{batch:>5} {context:>7} {budget:>6} {times['pytorch']:>10.3f} {times['radix']:>9.3f}", flush=True)
     query, codes, scale, valid = inputs(1, 32768)
-    replay = captured(lambda: speculation.select_tokens(query, codes, valid, 6554, 0.2, math.inf, 8, key_scale=scale))
+    select = functools.partial(speculation.select_tokens, query, codes, valid, 6554, 0.2, math.inf, 8, key_scale=scale)
+    replay = captured_replay(select)
     for _ in range(5):
         replay()
     torch.cuda.synchronize()

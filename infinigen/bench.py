@@ -318,7 +318,7 @@ def breakdown(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase
     }
 
 
-def _median_ms(fn, device: torch.device, repeats: int = 20) -> float:
+def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
     """Median milliseconds of ``fn()`` (after one warm-up call): between CUDA events on a GPU."""
     fn()
     times = []
@@ -356,7 +356,7 @@ def micro_gather(
             slots = torch.rand(kv_heads, context, generator=generator).topk(k).indices.sort().values
             indices = slots[None].to(device)
             out = torch.empty(1, kv_heads, 2, k, head_dim, dtype=dtype, device=device)
-            ms = _median_ms(functools.partial(pool.gather, indices, None, out), torch.device(device))
+            ms = median_ms(functools.partial(pool.gather, indices, None, out), torch.device(device))
             nbytes = k * kv_heads * pool.row_bytes
             rows.append(
                 {
@@ -379,7 +379,7 @@ def _speculate(x, query_projection, partial_keys, key_scale, valid, budget: floa
     select_tokens(partial_query, partial_keys, valid, k_max, budget, math.inf, 8, key_scale=key_scale)
 
 
-def _captured(fn):
+def captured_replay(fn):
     """``fn`` as a CUDA graph replay, as the runtime runs a capturable policy's selection."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -411,7 +411,7 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
         codes, scale = quantize_rows(partial_keys, RuntimeConfig.partial_key_bits)  # as the runtime stores them
         valid = torch.ones(batch, spec.n_kv_heads, context, dtype=torch.bool, device=device)
         speculate = functools.partial(_speculate, x, query_projection, codes, scale, valid, budget)
-        speculation_ms = _median_ms(_captured(speculate) if device.type == "cuda" else speculate, device)
+        speculation_ms = median_ms(captured_replay(speculate) if device.type == "cuda" else speculate, device)
         dense = run_case(model, None, BenchCase("hf-dynamic", batch, context, gen_len=5, warmup=2))
         layer_ms = dense["ms_per_step"] / spec.n_layers
         rows.append(
