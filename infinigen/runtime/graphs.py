@@ -60,8 +60,8 @@ class SelectionGraph:
             with torch.cuda.stream(side):
                 layer.select(self.hidden, norm, static_rope)  # lazy initialisation (cuBLAS workspaces) stays outside
                 # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device and
-                # empties the allocator's cache (every later allocation a cudaMalloc again): per capture
-                # costly where caches are short-lived (evaluations)
+                # empties the allocator's cache (every later allocation a cudaMalloc again) at every
+                # capture: costly where caches are short-lived (5-shot tasks: BENCHMARKS.md, session 5)
                 graph.capture_begin()
                 try:
                     self.outputs = layer.select(self.hidden, norm, static_rope)
