@@ -404,11 +404,12 @@ def _micro(model, device: str, contexts: list[int], budget: float) -> dict:
     from infinigen.architectures import model_spec
     from infinigen.bench import micro_gather, micro_speculation
     from infinigen.prepare import DEFAULT_RATIO, n_channels_for
+    from infinigen.runtime.speculation import padded_channels
 
     spec = model_spec(model.config)
     dtype = next(model.parameters()).dtype
     fractions = [0.01, 0.02, 0.05, 0.1, 0.2]
-    rank = -(-n_channels_for(DEFAULT_RATIO, spec.head_dim) // 8) * 8  # padded to a multiple of 8 as the runtime does
+    rank = padded_channels(n_channels_for(DEFAULT_RATIO, spec.head_dim))
     return {
         "gather": micro_gather(device, dtype, spec.n_kv_heads, spec.head_dim, contexts, fractions),
         "speculation": micro_speculation(model, budget, 1, contexts, rank),

@@ -41,6 +41,12 @@ def exact_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope) ->
     return (attention.q_proj(x) * attention.scaling).view(x.shape[0], spec.n_heads, -1)  # OPT scales after
 
 
+def padded_channels(channels: int) -> int:
+    """Partial channels rounded up to a multiple of 8 with zero columns: the same scores, aligned GEMMs
+    (cuBLAS picks slow kernels for an odd inner dimension)."""
+    return -(-channels // 8) * 8
+
+
 class LayerSpeculator(nn.Module):
     """Partial query and key projections of one layer, on the compute device."""
 
@@ -50,9 +56,7 @@ class LayerSpeculator(nn.Module):
         self.attention = attention  # the layer's attention module (RoPE models reuse its q projection)
         skew, channels = artifact.skew_matrix(layer), artifact.channels(layer)  # (h, d, d), (h, r)
         key_columns = torch.stack([skew[h][:, channels[h]] for h in range(spec.n_kv_heads)])  # (h, d, r)
-        # Zero columns up to a multiple of 8: the same scores, aligned GEMMs (cuBLAS picks slow
-        # kernels for an odd inner dimension).
-        key_columns = F.pad(key_columns, (0, -key_columns.shape[-1] % 8))
+        key_columns = F.pad(key_columns, (0, padded_channels(key_columns.shape[-1]) - key_columns.shape[-1]))
         self.register_buffer("key_projection", key_columns.to(device, dtype))
         partial_query = artifact.partial_query_weight(layer)
         if partial_query is None:
