@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
-from infinigen.runtime import POLICIES, RuntimeConfig, cache_argument, cache_for
+from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument, cache_for
 
 SHAPES: dict[str, dict] = {
     "opt-6.7b": dict(
@@ -89,7 +89,7 @@ SHAPES: dict[str, dict] = {
 }
 HF_BASELINES = ("hf-dynamic", "hf-offloaded")  # transformers' own caches, for reference
 BUDGETED = tuple(name for name, policy in POLICIES.items() if policy.budgeted)  # --budgets sweeps them
-CAPTURABLE = tuple(name for name, policy in POLICIES.items() if policy.capturable)
+GRAPHS = ("step", "selection", "off")  # BenchCase.graphs
 LOOKAHEAD = tuple(name for name, p in POLICIES.items() if p.offloads and p.lookahead)  # select one layer ahead
 SPECULATING = tuple(name for name, policy in POLICIES.items() if policy.speculates)
 
@@ -129,10 +129,16 @@ class BenchCase:
     warmup: int = 3
     budget: float = 0.2
     alpha: float | None = math.inf  # random weights: the budget fixes the count
-    cuda_graphs: bool = True  # capturable policies replay their selection from CUDA graphs
+    # step: whole decode steps as CUDA graphs (``infinigen.decode``); selection: transformers' own
+    # loop, each capturable selection a CUDA graph (plain ``model.generate``); off: no graphs
+    graphs: str = "step"
     lookahead_from: str = "input"
     partial_key_bits: int = RuntimeConfig.partial_key_bits
     ratio: float = DEFAULT_RATIO  # the artifact's partial channels (speculating policies)
+
+    def __post_init__(self) -> None:
+        if self.graphs not in GRAPHS:
+            raise InfinigenError(f"--graphs takes {', '.join(GRAPHS)}, got {self.graphs!r}")
 
 
 def bench_cases(
@@ -141,23 +147,24 @@ def bench_cases(
     prompt_lens: list[int],
     gen_len: int,
     *,
-    cuda_graphs: bool = True,
+    graphs: tuple[str, ...] = ("step",),
     lookahead_from: tuple[str, ...] = ("input",),
     partial_key_bits: tuple[int, ...] = (RuntimeConfig.partial_key_bits,),
     ratios: tuple[float, ...] = (DEFAULT_RATIO,),
 ) -> list[BenchCase]:
     """Every context x batch x policy setting; the runtime-option sweeps multiply only the policies
     they change (ratio and partial-key bits: speculating policies; lookahead_from: offloading ones
-    that select one layer ahead)."""
+    that select one layer ahead; graphs: our caches)."""
     cases = []
     for n, b, setting in itertools.product(prompt_lens, batches, settings):
         policy = POLICIES.get(setting["policy"])  # None: transformers' own caches
         speculates = policy is not None and policy.speculates
         looks_ahead = policy is not None and policy.offloads and policy.lookahead
-        for ratio, bits, source in itertools.product(
+        for ratio, bits, source, graph in itertools.product(
             ratios if speculates else ratios[:1],
             partial_key_bits if speculates else partial_key_bits[:1],
             lookahead_from if looks_ahead else lookahead_from[:1],
+            graphs if policy is not None else graphs[:1],
         ):
             cases.append(
                 BenchCase(
@@ -166,7 +173,7 @@ def bench_cases(
                     n,
                     gen_len,
                     budget=setting["budget"],
-                    cuda_graphs=cuda_graphs,
+                    graphs=graph,
                     lookahead_from=source,
                     partial_key_bits=bits,
                     ratio=ratio,
@@ -186,7 +193,7 @@ def _make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCa
         policy=case.policy,
         budget=case.budget,
         alpha=case.alpha,
-        cuda_graphs=case.cuda_graphs,
+        cuda_graphs=case.graphs != "off",
         lookahead_from=case.lookahead_from,
         partial_key_bits=case.partial_key_bits,
     )
@@ -198,7 +205,8 @@ def _sync(device: torch.device) -> None:
 
 
 class _Decoder:
-    """Drives one cache through a prefill and timed greedy decode steps."""
+    """Drives one cache through a prefill and timed greedy decode steps (an ``InfinigenCache``'s
+    through ``StepGraph`` where ``case.graphs`` is "step")."""
 
     def __init__(self, model: PreTrainedModel, cache, case: BenchCase) -> None:
         self.model, self.cache, self.case = model, cache, case
@@ -208,10 +216,16 @@ class _Decoder:
         shape = (case.batch, case.prompt_len)
         self.ids = torch.randint(0, model.config.vocab_size, shape, generator=generator).to(self.device)
         self.token = self.ids[:, -1:]
+        self.position = torch.full((case.batch, 1), case.prompt_len - 1, device=self.device)
+        self.step = StepGraph(model, cache) if isinstance(cache, InfinigenCache) and case.graphs == "step" else None
 
     def forward(self, ids: torch.Tensor) -> None:
-        logits = self.model(ids, **{self.name: self.cache}, logits_to_keep=1).logits
-        self.token = logits[:, -1:].argmax(-1)
+        if self.step is None or ids.shape[1] > 1:
+            logits = self.model(ids, **{self.name: self.cache}, logits_to_keep=1).logits[:, -1]
+        else:
+            self.position = self.position + 1
+            logits = self.step(ids, self.position)
+        self.token = logits.argmax(-1, keepdim=True)
 
     def prefill_seconds(self) -> float:
         _sync(self.device)
@@ -257,7 +271,7 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
         "batch": case.batch,
         "prompt_len": case.prompt_len,
         "budget": case.budget if case.policy in BUDGETED else None,
-        "cuda_graphs": case.cuda_graphs if case.policy in CAPTURABLE else None,
+        "graphs": case.graphs if case.policy not in HF_BASELINES else None,
         "lookahead_from": case.lookahead_from if case.policy in LOOKAHEAD else None,
         "partial_key_bits": case.partial_key_bits if case.policy in SPECULATING else None,
         "ratio": case.ratio if case.policy in SPECULATING else None,
@@ -281,7 +295,8 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
             "fraction_bytes": stats["fraction_bytes"],
             "h2d_mb_per_step": round(per_step / 1e6, 1),
             "h2d_gb_s": round(per_step / step_s / 1e9, 1),
-            "wait_ms_per_step": round(stats["prefetch_wait_ms"] / steps, 2),
+            # timed on eager steps only: a replayed step's waits are inside its graph (see --breakdown)
+            "wait_ms_per_step": None if stats["replayed_steps"] else round(stats["prefetch_wait_ms"] / steps, 2),
             "cpu_pool_gb": round(stats["cpu_pool_bytes"] / 1e9, 2),
         }
     del cache

@@ -309,9 +309,13 @@ def bench(
     ] = False,
     micro_contexts: Annotated[str, typer.Option(help="Context lengths of --micro.")] = "4096,16384,32768,131072",
     plot: Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch.")] = None,
-    cuda_graphs: Annotated[
-        bool, typer.Option(help="Replay capturable policies' selection from CUDA graphs (off: launch each kernel).")
-    ] = True,
+    graphs: Annotated[
+        str,
+        typer.Option(
+            help="CUDA graphs: step (whole decode steps, as infinigen.decode), selection (transformers' "
+            "loop, selections only, as plain model.generate), off; or a comma-separated sweep."
+        ),
+    ] = "step",
     lookahead_from: Annotated[
         str, typer.Option(help="input | attention, or both comma-separated (a sweep; see `generate --help`).")
     ] = "input",
@@ -354,7 +358,7 @@ def bench(
         _numbers(batch, "--batch", int),
         _numbers(prompt_len, "--prompt-len", int),
         gen_len,
-        cuda_graphs=cuda_graphs,
+        graphs=tuple(_numbers(graphs, "--graphs", str)),
         lookahead_from=tuple(_numbers(lookahead_from, "--lookahead-from", str)),
         partial_key_bits=tuple(_numbers(partial_key_bits, "--partial-key-bits", int)),
         ratios=tuple(_numbers(ratio, "--ratio")),
@@ -430,7 +434,7 @@ def _print_micro(report: dict) -> None:
 BENCH_COLUMNS = {
     "policy": "policy",
     "budget": "budget",
-    "graphs": "cuda_graphs",
+    "graphs": "graphs",
     "batch": "batch",
     "context": "prompt_len",
     "ms/step": "ms_per_step",
@@ -514,7 +518,7 @@ def generate(
 
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
-    from infinigen.runtime import RuntimeConfig, cache_argument, cache_for
+    from infinigen.runtime import RuntimeConfig, cache_argument, cache_for, decode
 
     prompts = _prompts(prompt, prompt_file, batch_file)
     config = RuntimeConfig(
@@ -564,7 +568,8 @@ def generate(
                 **inputs,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
-                streamer=timer,
+                custom_generate=decode,  # decode steps replayed as CUDA graphs
+                decode_streamer=timer,
                 pad_token_id=tokenizer.pad_token_id,
                 **chunking,
                 **{cache_argument(loaded.model): cache},
@@ -667,7 +672,8 @@ def _generate_stats(cache, timer: _TokenTimer, batch: int, prompt_len: int, new_
         "fraction_fetched_p95": max((v["fraction_p95"] for v in summary["per_layer"].values()), default=0.0),
         "bytes_host_to_device": summary["bytes_host_to_device"],
         "bytes_device_to_host": summary["bytes_device_to_host"],
-        "prefetch_wait_ms": summary["prefetch_wait_ms"],
+        "prefetch_wait_ms": summary["prefetch_wait_ms"],  # eager steps only
+        "graph_steps": summary["replayed_steps"],
         "cpu_pool_bytes": summary["cpu_pool_bytes"],
         "evicted_tokens": summary["evicted_tokens"],
         "peak_gpu_gb": round(torch.cuda.max_memory_allocated(model.device) / gb, 3)

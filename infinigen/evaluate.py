@@ -17,7 +17,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.recall import RecallProbe
-from infinigen.runtime import RuntimeConfig, cache_argument, cache_for
+from infinigen.runtime import RuntimeConfig, StepGraph, cache_for
+from infinigen.runtime.decode import prefill
 
 GUTENBERG = re.compile(r"\*\*\* ?START OF.*?\*\*\*(.*)\*\*\* ?END OF", re.S)
 
@@ -53,28 +54,19 @@ def dense_forward_nll(model: PreTrainedModel, ids: torch.Tensor, prefix: int) ->
     return _nll(logits, ids[:, prefix:])
 
 
-def _next_logits(model: PreTrainedModel, cache, ids: torch.Tensor, **inputs) -> torch.Tensor:
-    """Feed ``ids`` (B, T) through the runtime: the next-token logits after the last one, (B, V)."""
-    return model(ids, **{cache_argument(model): cache}, **inputs, logits_to_keep=1).logits[:, -1]
-
-
 def stepwise_logits(
     model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, attention_mask: torch.Tensor | None = None
 ) -> Iterator[torch.Tensor]:
-    """Prefill ids[:, :prefix] densely, then feed ids[:, prefix:] one token per decode step; yields the
-    next-token logits (B, V) after the prefill and after every step. ``attention_mask`` (B, T): 0 at
-    left padding (positions then count real tokens only, as ``generate`` does)."""
-    positions = None if attention_mask is None else (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-    def forward(start: int, end: int) -> torch.Tensor:
-        if attention_mask is None:
-            return _next_logits(model, cache, ids[:, start:end])
-        inputs = {"attention_mask": attention_mask[:, :end], "position_ids": positions[:, start:end]}
-        return _next_logits(model, cache, ids[:, start:end], **inputs)
-
-    yield forward(0, prefix)
+    """Prefill ids[:, :prefix] densely, then feed ids[:, prefix:] one token per decode step (a
+    ``StepGraph``: CUDA graphs on CUDA); yields the next-token logits (B, V) after the prefill and
+    after every step. ``attention_mask`` (B, T): 0 at left padding (positions then count real tokens
+    only, as ``generate`` does)."""
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    yield prefill(model, cache, ids[:, :prefix], mask[:, :prefix])
+    step = StepGraph(model, cache)
     for t in range(prefix, ids.shape[1]):
-        yield forward(t, t + 1)
+        yield step(ids[:, t : t + 1], positions[:, t : t + 1]).clone()  # the graph's buffer is reused
 
 
 @torch.no_grad()
@@ -114,8 +106,10 @@ def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, 
     decode ``new_tokens`` greedy tokens one per step. (B, new_tokens)."""
     *_, logits = stepwise_logits(model, cache, ids, prefix)
     tokens = [logits.argmax(-1, keepdim=True)]
+    step, position = StepGraph(model, cache), torch.full_like(tokens[0], ids.shape[1] - 1)
     for _ in range(new_tokens - 1):
-        tokens.append(_next_logits(model, cache, tokens[-1]).argmax(-1, keepdim=True))
+        position = position + 1
+        tokens.append(step(tokens[-1], position).argmax(-1, keepdim=True))
     return torch.cat(tokens, dim=1)
 
 

@@ -242,6 +242,22 @@ def test_bench_runtime_sweeps_multiply_only_the_policies_they_change():
     assert all(r["fraction_fetched"] == rows[-1]["fraction_fetched"] for r in rows[3:])
 
 
+def test_bench_graphs_sweep_covers_our_caches_only():
+    args = "--batch 1 --prompt-len 32 --gen-len 2 --policies hf-dynamic,full --graphs step,selection,off --json"
+    result = bench(args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["results"]
+    assert [(r["policy"], r["graphs"]) for r in rows] == [
+        ("hf-dynamic", None),
+        ("full", "step"),
+        ("full", "selection"),
+        ("full", "off"),
+    ]
+    assert len({r["fraction_fetched"] for r in rows[1:]}) == 1
+    wrong = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies full --graphs whole")
+    assert wrong.exit_code != 0 and "--graphs takes step, selection, off" in wrong.output
+
+
 def test_bench_micro_on_cpu():
     result = bench("--micro --micro-contexts 64,128 --json")
     assert result.exit_code == 0, result.output

@@ -35,6 +35,10 @@ for b in range(B):
             expected[b, h, :, j] = rows[b, h, idx[b, h, j]]
 assert torch.equal(out[:, :, :, :12], expected), "gather: rows, planes, zeros past the count"
 assert bool(out[:, :, :, 12].isnan().all()), "gather wrote past its slice"
+bulk = torch.tensor([9], dtype=torch.int32).expand(B)  # one count for every row (stride 0), as a bulk fetch's
+transfer._launch_gather(pool, idx, bulk, out[:, :, :, :12])
+first = torch.stack([rows[b, h, idx[b, h, :9]] for b in range(B) for h in range(H)]).view(B, H, 9, 2, D)
+assert torch.equal(out[:, :, :, :9], first.transpose(2, 3)) and not out[:, :, :, 9:12].any(), "expanded count"
 slots = torch.tensor([[3, 9, 17], [0, 25, 29]])
 new = torch.randn(B, H, 1, 2, D)
 transfer._launch_scatter(pool, slots, new)

@@ -5,11 +5,12 @@ Reads artifacts (``infinigen.artifacts``); never imports ``infinigen.prepare``.
     model, tokenizer = infinigen.load("smollm2-135m", artifact="skewed/")
     cache = infinigen.cache_for(model, budget=0.2)
     model.generate(**tokenizer(text, return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
+    # or with each decode step replayed as one CUDA graph:
+    model.generate(..., past_key_values=cache, custom_generate=infinigen.decode)
 """
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +19,7 @@ from infinigen.artifacts import Artifact, open_artifact
 from infinigen.models import load_model
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.decode import StepGraph, cache_argument, decode
 from infinigen.runtime.policies import POLICIES
 
 
@@ -50,10 +52,4 @@ def cache_for(
     return InfinigenCache(model, RuntimeConfig(**settings), artifact)
 
 
-def cache_argument(model: PreTrainedModel) -> str:
-    """The name ``model.forward`` / ``generate`` take a cache under: ``cache`` in newer transformers,
-    ``past_key_values`` before (5.17)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-__all__ = ["POLICIES", "InfinigenCache", "RuntimeConfig", "cache_argument", "cache_for", "load"]
+__all__ = ["POLICIES", "InfinigenCache", "RuntimeConfig", "StepGraph", "cache_argument", "cache_for", "decode", "load"]

@@ -31,13 +31,13 @@ def store_slots(
     tensor: torch.Tensor | None, slots: slice | torch.Tensor, values: torch.Tensor, capacity: int
 ) -> torch.Tensor:
     """Per-slot metadata (B, kv_heads, n, *rest) <- values (B, kv_heads, T, *rest) at ``slots``: a slice of
-    new slots, or (B, kv_heads) slots to overwrite (T = 1). The buffer (None: not yet allocated) is
+    new slots, or (B, kv_heads) slots (T = 1) of a decode step's token. The buffer (None: not yet allocated) is
     sized by the layer's ``capacity`` and reallocated only when the capacity changes (what captured
     selections rely on). Returns the (possibly new) buffer."""
     if tensor is None:
         tensor = values.new_zeros(*values.shape[:2], 0, *values.shape[3:])
+    tensor = grown_to(tensor, capacity, 2)
     if isinstance(slots, slice):
-        tensor = grown_to(tensor, capacity, 2)
         tensor[:, :, slots] = values
         return tensor
     index = slots.view(*slots.shape, 1, *([1] * (values.dim() - 3))).expand_as(values)

@@ -51,7 +51,7 @@ class InfinigenCache(Cache):
         dense = n_layers if not self.policy.offloads else min(config.dense_layers, n_layers)
         self.n_offloaded = n_layers - dense
         blocks = decoder_layers(model)
-        layers: list = [DenseLayer() for _ in range(dense)]
+        layers: list = [DenseLayer(runtime=self) for _ in range(dense)]
         for i in range(dense, n_layers):
             speculator = None
             if self.policy.speculates:
@@ -67,6 +67,10 @@ class InfinigenCache(Cache):
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.slot_range = torch.arange(0, device=self.device)
+        self.slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # where a decode step's token goes
+        self.driven = False  # a StepGraph runs the decode steps (and begins each one itself)
+        self.capturing = False  # a decode step is being captured: no host work that a replay would skip
+        self.replayed_steps = 0  # decode steps run as graph replays (their prefetch waits are not timed)
         # Diagnostics for `infinigen bench --breakdown`: skip the row moves (compute only), or keep
         # each step's gathers to replay them alone (transfer only).
         self.move_rows = True
@@ -111,9 +115,52 @@ class InfinigenCache(Cache):
     def captures(self, layer: OffloadedLayer) -> bool:
         """Whether ``layer``'s selection runs as a CUDA graph: a capturable policy on CUDA, with an
         unlimited pool (eviction bookkeeping counts steps on the host)."""
+        return not self.driven and self._capturable(layer)
+
+    def _capturable(self, layer: OffloadedLayer) -> bool:
         return (
             self.config.cuda_graphs and self.stream is not None and layer.policy.capturable and layer.max_tokens is None
         )
+
+    # --- decode steps --------------------------------------------------------------------------
+
+    def begin_decode_step(self) -> None:
+        """Host only, before each decode step: the device-side ``slot`` its token goes to (the same in
+        every layer while no pool evicts)."""
+        self.all_slots(max((layer.capacity for layer in self.layers if layer.is_initialized), default=0) + 1)
+        self.slot.fill_(self.get_seq_length())
+
+    def step_signature(self) -> tuple | None:
+        """What a CUDA graph of the next decode step depends on (the buffers' capacities), or None
+        where the step cannot be captured: a buffer grows in it, or CPU, graphs off, an uncapturable
+        policy, a limited pool, a diagnostic that needs the host at every step."""
+        capturable = (
+            self.stream is not None
+            and self.config.cuda_graphs
+            and all(self._capturable(layer) for layer in self.offloaded)
+            and all(layer.is_initialized and not layer.grows() for layer in self.layers)
+            and self.decode_probe is None
+            and self.kept_gathers is None
+        )
+        return (tuple(layer.capacity for layer in self.layers), self.move_rows) if capturable else None
+
+    def cached_tokens(self) -> list:
+        """Per offloaded layer, the tokens it has cached (see ``OffloadedLayer.cached_tokens``)."""
+        return [layer.cached_tokens() for layer in self.offloaded]
+
+    def replayed(self, cached: list, captured: bool) -> None:
+        """After a replay of a captured decode step, the host-side work the replay skipped: each
+        offloaded layer's fetch statistics (``cached``: ``cached_tokens()`` before the step), and,
+        unless the replay follows its capture (which ran the Python once), the layers' counters."""
+        self.replayed_steps += 1
+        layers = self.offloaded
+        if layers:
+            moved = torch.stack([layer.captured_moved for layer in layers])  # (layers, B), out of the graph
+            for layer, rows, tokens in zip(layers, moved, cached, strict=True):
+                layer.stats.record(rows, tokens, *layer.valid.shape[:2])
+        if not captured:
+            for layer in self.layers:
+                layer.advance()
 
     def fetch_mask(self, layer: OffloadedLayer, selection: Selection) -> torch.Tensor:
         """Which fetched rows attention may read: (B, kv_heads, K + 1) bool, the last for the current
@@ -144,7 +191,10 @@ class InfinigenCache(Cache):
         batch, kv_heads, k = indices.shape
         parity = layer.index % 2
         rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
-        layer.stats.record(count if count is not None else k, layer.cached_tokens(), batch, kv_heads)
+        if self.capturing:  # recorded after each replay (``replayed``)
+            layer.captured_moved = count
+        else:
+            layer.stats.record(count if count is not None else k, layer.cached_tokens(), batch, kv_heads)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         packed = None
@@ -180,7 +230,9 @@ class InfinigenCache(Cache):
 
     def wait(self, fetched: Fetched) -> None:
         """Make the compute stream wait for a prefetch (timed with events), then decode compressed rows."""
-        if fetched.ready is not None:
+        if fetched.ready is not None and self.capturing:  # replays are not timed
+            torch.cuda.current_stream(self.device).wait_event(fetched.ready)
+        elif fetched.ready is not None:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record()
             torch.cuda.current_stream(self.device).wait_event(fetched.ready)
@@ -200,7 +252,7 @@ class InfinigenCache(Cache):
         codec = self.policy.codec
         bits = codec.bits_per_value if codec is not None else 16  # 16-bit KV as the reference
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
-        return {"policy": self.policy.name, **summary}
+        return {"policy": self.policy.name, **summary, "replayed_steps": self.replayed_steps}
 
 
 # --- attention and hooks -----------------------------------------------------------------------
@@ -255,13 +307,14 @@ def dense_attention(module, query, key, value, attention_mask, **kwargs):
 
 def infinigen_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     cache = getattr(module, "_infinigen_cache", None)
-    layer = cache.layers[module.layer_idx] if cache is not None else None
-    if not isinstance(layer, OffloadedLayer):
+    if cache is None:
         return dense_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    layer = cache.layers[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    observes = layer.policy.observes_attention
-    if layer.attention_valid is not None:
-        if cache.decode_probe is not None:
+    offloaded = isinstance(layer, OffloadedLayer)
+    observes = offloaded and layer.policy.observes_attention
+    if layer.attention_valid is not None:  # a decode step: the layer's validity is the mask
+        if offloaded and cache.decode_probe is not None:
             cache.decode_probe(layer, query)
         out, probs = grouped_decode_attention(query, key, value, layer.attention_valid, scale, need_probs=observes)
         if observes:
@@ -326,6 +379,8 @@ def _step_hook(j: int, norms: list[nn.Module]):
         if j == 0:
             cache.rope = kwargs.get("position_embeddings")
             cache.decoding = hidden.shape[1] == 1
+            if cache.decoding and not cache.driven:
+                cache.begin_decode_step()
         if not cache.decoding:  # prefill: nothing to select
             return
         if not cache.policy.lookahead:

@@ -1,4 +1,5 @@
-"""CUDA graphs for an offloaded layer's decode-time selection.
+"""CUDA graphs: an offloaded layer's decode-time selection (``SelectionGraph``), and the capture
+that ``infinigen.runtime.decode.StepGraph`` uses for whole decode steps.
 
 A policy's selection is a few dozen small kernels per layer and step; launched one at a time from
 Python they cost more host time than the GPU spends on them, and the whole decode step becomes
@@ -11,14 +12,17 @@ block): it is captured once per capacity and replayed as one launch.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 if TYPE_CHECKING:
     from infinigen.runtime.layers import OffloadedLayer
     from infinigen.runtime.policies import Selection
+
+T = TypeVar("T")
 
 
 class SelectionGraph:
@@ -46,29 +50,38 @@ class SelectionGraph:
 
     def _capture(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> None:
         self.graph = self.outputs = None  # release the previous capture's memory first
-        device = hidden.device
         layer.runtime.all_slots(layer.capacity + 1)  # the shared arange must not grow inside the capture
         self.hidden = hidden.clone()  # static inputs, refilled before each replay
         self.rope = tuple(t.clone() for t in rope) if rope is not None else ()
         static_rope = self.rope or None
-        side = torch.cuda.Stream(device)  # captures must not run on the default stream
-        side.wait_stream(torch.cuda.current_stream(device))
-        graph = torch.cuda.CUDAGraph()
-        collecting = gc.isenabled()
-        gc.disable()  # a collection inside the capture could destroy a dead cache's graphs: that ends the capture
-        try:
-            with torch.cuda.stream(side):
-                layer.select(self.hidden, norm, static_rope)  # lazy initialisation (cuBLAS workspaces) stays outside
-                # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device and
-                # empties the allocator's cache (every later allocation a cudaMalloc again) at every
-                # capture: costly where caches are short-lived (5-shot tasks: BENCHMARKS.md, session 5)
-                graph.capture_begin()
-                try:
-                    self.outputs = layer.select(self.hidden, norm, static_rope)
-                finally:
-                    graph.capture_end()
-        finally:
-            if collecting:
-                gc.enable()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph, self.capacity = graph, layer.capacity
+        side = torch.cuda.Stream(hidden.device)  # captures must not run on the default stream
+        side.wait_stream(torch.cuda.current_stream(hidden.device))
+        with torch.cuda.stream(side):
+            layer.select(self.hidden, norm, static_rope)  # lazy initialisation (cuBLAS workspaces) stays outside
+        self.graph, self.outputs = capture(lambda: layer.select(self.hidden, norm, static_rope), side)
+        self.capacity = layer.capacity
+
+
+def capture(fn: Callable[[], T], stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``fn()`` captured on ``stream`` (not the default stream; its lazy initialisation done by an
+    earlier run on that stream): the graph and ``fn``'s outputs, which each replay refills."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    collecting = gc.isenabled()
+    gc.disable()  # a collection inside the capture could destroy a dead cache's graphs: that ends the capture
+    try:
+        with torch.cuda.stream(stream):
+            # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device and
+            # empties the allocator's cache (every later allocation a cudaMalloc again) at every
+            # capture: costly where caches are short-lived (5-shot tasks: BENCHMARKS.md, session 5)
+            graph.capture_begin()
+            try:
+                outputs = fn()
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
+    current.wait_stream(stream)
+    return graph, outputs

@@ -44,19 +44,63 @@ class _Layer(CacheLayerMixin):
 
 
 class DenseLayer(_Layer):
+    """KV in buffers with room to grow. A decode step writes its token at the cache's device-side
+    ``slot`` and attends over the whole buffer through ``valid``: no shape or index in it depends on
+    the length, so a captured decode step replays unchanged until the buffer grows."""
+
+    def __init__(self, runtime) -> None:
+        super().__init__()
+        self.runtime = runtime  # the InfinigenCache: its ``slot``
+        self.attention_valid: torch.Tensor | None = None  # (B, 1, capacity) for the current decode step
+
     def lazy_initialization(self, key_states, value_states) -> None:
-        self.keys, self.values = torch.empty_like(key_states), torch.empty_like(value_states)
+        self.keys, self.values = key_states[:, :, :0].clone(), value_states[:, :, :0].clone()
+        self.valid = torch.zeros(key_states.shape[0], 1, 0, dtype=torch.bool, device=key_states.device)
         self.is_initialized = True
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` tokens (grown by an eighth: appends stay amortised O(1))."""
+        self.keys, self.values = grown(self.keys, tokens, 2), grown(self.values, tokens, 2)
+        self.valid = grown_to(self.valid, self.capacity, 2, fill=False)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[2]
-        self.keys, self.values = grown(self.keys, end, 2), grown(self.values, end, 2)
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
+        if key_states.shape[2] > 1 or self.length == 0:
+            return self._update_many(key_states, value_states)
+        self.reserve(self.length + 1)
+        slot = self.runtime.slot  # (1,) == self.length
+        self.keys.index_copy_(2, slot, key_states)
+        self.values.index_copy_(2, slot, value_states)
+        self.valid.index_fill_(2, slot, True)
+        self.length += 1
+        self.attention_valid = self.valid
+        return self.keys, self.values
+
+    def _update_many(self, key_states, value_states):
+        start, end = self.length, self.length + key_states.shape[2]
+        self.reserve(end)
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        self.valid[:, :, start:end] = True  # padding is cleared by the attention function
         self.length = end
+        self.attention_valid = None
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def mark_padding(self, token_valid: torch.Tensor) -> None:
+        """token_valid: (B, T) for the prompt tokens just stored (False at padding)."""
+        self.valid[:, :, self.length - token_valid.shape[1] : self.length] &= token_valid[:, None, :]
+
+    def grows(self) -> bool:
+        """Whether the next decode step's token needs a bigger buffer."""
+        return self.length + 1 > self.capacity
+
+    def advance(self) -> None:
+        self.length += 1
 
 
 @dataclass
@@ -94,6 +138,7 @@ class OffloadedLayer(_Layer):
         self.decoding: Fetched | None = None  # what the current decode step attends over
         self.selection_graph: SelectionGraph | None = None  # CUDA: the selection, captured
         self.padded = False  # some batch row has padding slots (marked invalid)
+        self.captured_moved: torch.Tensor | None = None  # (B,) rows per head a captured step fetches
         self.stats = LayerStats()
 
     # --- transformers' layer interface -------------------------------------------------------
@@ -162,7 +207,7 @@ class OffloadedLayer(_Layer):
         return self.pool.capacity
 
     def _append_metadata(self, start: int, end: int, key_states) -> None:
-        """Mark slots start .. end-1 as cached (the pool already has room for them)."""
+        """Mark slots start .. end-1 as cached by a multi-token step (the pool has room for them)."""
         capacity = self.capacity
         self.valid = grown_to(self.valid, capacity, 2, fill=False)
         self.valid[:, :, start:end] = True  # padding is cleared by the attention function
@@ -185,6 +230,31 @@ class OffloadedLayer(_Layer):
         start = self.used - token_valid.shape[1]
         self.valid[:, :, start : self.used] &= token_valid[:, None, :]
         self.padded = self.padded or not bool(token_valid.all())  # a host sync, at prefill only
+
+    def appends(self) -> bool:
+        """Whether the next token goes to a new slot (else the full pool overwrites one)."""
+        return self.max_tokens is None or self.used < self.max_tokens
+
+    def grows(self) -> bool:
+        """Whether the next decode step's token needs a new pool block."""
+        return self.appends() and self.used + 1 > self.capacity
+
+    def advance(self) -> None:
+        """The host-side counters of one decode step (a replayed step runs only this on the host)."""
+        if self.appends():
+            self.used += 1
+        self.step += 1
+        self.length += 1
+        self.stats.written_rows += self.valid.shape[0] * self.valid.shape[1]
+
+    def every_slot(self) -> Selection:
+        """A bulk fetch of every cached slot. Its indices cover the whole capacity and its ``count``
+        (the slots in use: the cache's ``slot``) lives on the device, so a CUDA graph replays it."""
+        if not self.appends():  # a full pool evicts, which runs eagerly: the host knows the count
+            return Selection()
+        batch, kv_heads = self.valid.shape[:2]
+        indices = self.runtime.all_slots(self.capacity).expand(batch, kv_heads, self.capacity)
+        return Selection(indices=indices, count=self.runtime.slot.to(torch.int32).expand(batch))
 
     def cached_tokens(self) -> torch.Tensor | int:
         """Tokens cached per batch row: (B,) on the device when padding makes rows differ, else an int."""
@@ -212,7 +282,7 @@ class OffloadedLayer(_Layer):
         return self.runtime.fetch(self, Selection())
 
     def _update_decode(self, key_states, value_states):
-        fetched = self.fetched if self.fetched is not None else self._fetch_all()
+        fetched = self.fetched if self.fetched is not None else self.runtime.fetch(self, self.every_slot())
         self.fetched = None
         self.decoding = fetched
         self.runtime.wait(fetched)
@@ -227,22 +297,17 @@ class OffloadedLayer(_Layer):
         return rows[:, :, 0], rows[:, :, 1]
 
     def _store_token(self, key_states, value_states) -> None:
-        self.step += 1
-        self.length += 1
         new_rows = self._encoded(key_states, value_states)  # (B, kv_heads, 1, 2, stored_dim)
-        if self.max_tokens is None or self.used < self.max_tokens:
+        if self.appends():
             self.pool.reserve(self.used + 1)
-            self._append_metadata(self.used, self.used + 1, key_states)
-            slots = torch.full(key_states.shape[:2], self.used, dtype=torch.int64, device=self.device)
-            self.pool.write_slots(slots, new_rows)  # on CUDA: the GPU writes the pinned rows itself
-            self.used += 1
+            slots = self.runtime.slot.expand(key_states.shape[:2])  # (B, kv_heads): slot ``used``
         else:
             slots = self._victims()  # (B, kv_heads)
-            self.pool.write_slots(slots, new_rows)
-            self._overwrite_metadata(slots, key_states)
             self.stats.evicted_tokens += slots.shape[0]  # one token per batch row
+        self.advance()
+        self.pool.write_slots(slots, new_rows)  # on CUDA: the GPU writes the pinned rows itself
+        self._write_metadata(slots, key_states)
         self.current_slots = slots
-        self.stats.written_rows += key_states.shape[0] * key_states.shape[1]
 
     def _victims(self) -> torch.Tensor:
         """Per (batch row, KV head), the slot a full pool overwrites."""
@@ -255,13 +320,16 @@ class OffloadedLayer(_Layer):
         least_fetched = self.fetch_count[:, :, :used].gather(-1, older).argmin(dim=-1, keepdim=True)
         return older.gather(-1, least_fetched)[..., 0]
 
-    def _overwrite_metadata(self, victims: torch.Tensor, key_states) -> None:
-        at = victims[..., None]
+    def _write_metadata(self, slots: torch.Tensor, key_states) -> None:
+        """Mark the decode token's slots (B, kv_heads), new or overwritten, as cached."""
+        at = slots[..., None]
+        self.valid = grown_to(self.valid, self.capacity, 2, fill=False)
         self.valid.scatter_(-1, at, True)
-        self.inserted.scatter_(-1, at, self.step)
-        self.last_fetch.scatter_(-1, at, self.step)
-        self.fetch_count.scatter_(-1, at, 0)
-        self.policy.stored(self, victims, key_states)
+        if self.max_tokens is not None:
+            for name, value in (("inserted", self.step), ("last_fetch", self.step), ("fetch_count", 0)):
+                buffer = grown_to(getattr(self, name), self.capacity, 2)
+                setattr(self, name, buffer.scatter_(-1, at, value))
+        self.policy.stored(self, slots, key_states)
 
     def record_fetch(self, indices: torch.Tensor, fetched_valid: torch.Tensor) -> None:
         """Count fetches per slot (counter eviction) and note the step (LRU)."""

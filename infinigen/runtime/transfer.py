@@ -134,7 +134,7 @@ def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | No
     _gather_kernel[(min(n_chunks, gather_programs(out.device)),)](
         pool.block_table,
         indices.contiguous(),
-        count if count is not None else indices,
+        count.contiguous() if count is not None else indices,  # (B,): an expanded count has stride 0
         out,
         k,
         heads,

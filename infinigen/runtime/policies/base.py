@@ -67,9 +67,10 @@ class Policy:
     lookahead: ClassVar[bool] = True  # select one layer ahead (from the previous layer); False: at the layer
     observes_attention: ClassVar[bool] = False  # True: ``attended`` receives the attention mass per slot
     budgeted: ClassVar[bool] = False  # True: fetches the ``budget`` share of the cached tokens
-    # True: ``select`` is a pure function of the layer's state whose shapes depend only on the layer's
-    # ``capacity`` (no host syncs, no Python state that changes per step), so CUDA graphs replay it.
-    capturable: ClassVar[bool] = False
+    # True: ``select`` and ``stored`` (of a decode token) are pure functions of the layer's state whose
+    # shapes depend only on the layer's ``capacity`` (no host syncs, no Python state that changes per
+    # step), so CUDA graphs replay them.
+    capturable: ClassVar[bool] = True
     codec: RowCodec | None = None
 
     def __init__(self, config: RuntimeConfig) -> None:
@@ -79,8 +80,9 @@ class Policy:
         self, layer: OffloadedLayer, attention_input: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> Selection:
         """attention_input (B, hidden): with ``lookahead``, the residual stream entering the previous layer
-        under this layer's attention norm (an approximation); otherwise this layer's exact input."""
-        return Selection()
+        under this layer's attention norm (an approximation); otherwise this layer's exact input.
+        By default: every cached slot."""
+        return layer.every_slot()
 
     def stored(self, layer: OffloadedLayer, slots: slice | torch.Tensor, keys: torch.Tensor) -> None:
         """keys (B, kv_heads, T, d) now cached at ``slots``: a slice of new slots, or (B, kv_heads)

@@ -18,6 +18,7 @@ class H2OPolicy(Policy):
     name = "h2o"
     observes_attention = True
     budgeted = True
+    capturable = False  # its selection evicts with the host's count of used slots
 
     def __init__(self, config) -> None:
         super().__init__(config)

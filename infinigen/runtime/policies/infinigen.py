@@ -17,7 +17,6 @@ class InfinigenPolicy(Policy):
     name = "infinigen"
     speculates = True
     budgeted = True
-    capturable = True
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -45,10 +45,10 @@ class GroupQuantizer:
         groups = rows.float().unflatten(-1, (-1, self._group(rows.shape[-1])))  # (..., groups, g)
         low = groups.amin(dim=-1)
         low16 = low.half()
-        low16 = torch.where(low16.float() > low, low16.nextafter(low16.new_tensor(-math.inf)), low16)
+        low16 = torch.where(low16.float() > low, low16.nextafter(low16.new_full((), -math.inf)), low16)
         scale = ((groups.amax(dim=-1) - low16.float()) / self.levels).clamp(min=1e-6)
         scale16 = scale.half()
-        scale16 = torch.where(scale16.float() < scale, scale16.nextafter(scale16.new_tensor(math.inf)), scale16)
+        scale16 = torch.where(scale16.float() < scale, scale16.nextafter(scale16.new_full((), math.inf)), scale16)
         codes = ((groups - low16.float()[..., None]) / scale16.float()[..., None]).round().clamp(0, self.levels)
         return codes.flatten(-2).to(torch.uint8), low16, scale16
 

@@ -18,7 +18,6 @@ from infinigen.runtime.top_slots import first_ranks
 class OraclePolicy(Policy):
     name = "oracle"
     budgeted = True
-    capturable = True
     lookahead = False  # selects at its own layer, from the layer's exact attention input
 
     def __init__(self, config) -> None:

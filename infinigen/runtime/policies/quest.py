@@ -20,7 +20,6 @@ PAGE = 16
 class QuestPolicy(Policy):
     name = "quest"
     budgeted = True
-    capturable = True
     lookahead = False  # query-aware: needs this layer's own query
 
     def __init__(self, config) -> None:
@@ -33,14 +32,14 @@ class QuestPolicy(Policy):
         signed = torch.stack([keys, -keys], dim=3)  # (B, kv_heads, T, 2, d)
         if self.page_bounds is None:
             self.page_bounds = keys.new_full((*keys.shape[:2], 0, *signed.shape[3:]), -math.inf)
-        if isinstance(slots, torch.Tensor):  # overwritten slots (B, kv_heads): widen their pages' bounds
+        self.page_bounds = grown_to(self.page_bounds, math.ceil(layer.capacity / PAGE), 2, fill=-math.inf)
+        if isinstance(slots, torch.Tensor):  # a decode token's slots (B, kv_heads): widen their pages' bounds
             index = (slots // PAGE).view(*slots.shape, 1, 1, 1).expand_as(signed)
             self.page_bounds.scatter_reduce_(2, index, signed, "amax")
             return
         first, last = slots.start // PAGE, (slots.stop - 1) // PAGE + 1
         span = signed.new_full((*signed.shape[:2], (last - first) * PAGE, *signed.shape[3:]), -math.inf)
         span[:, :, slots.start - first * PAGE : slots.stop - first * PAGE] = signed
-        self.page_bounds = grown_to(self.page_bounds, math.ceil(layer.capacity / PAGE), 2, fill=-math.inf)
         pages = self.page_bounds[:, :, first:last]
         torch.maximum(pages, span.unflatten(2, (last - first, PAGE)).amax(dim=3), out=pages)
 
@@ -64,4 +63,5 @@ class QuestPolicy(Policy):
         ranked = self.upper_bounds(query, pages).masked_fill(empty, -math.inf).topk(k_pages, dim=-1).indices
         chosen = first_ranks(ranked, page_count, pages)  # (B, kv_heads, k_pages) ascending
         slots = (chosen[..., None] * PAGE + layer.runtime.all_slots(PAGE)).flatten(2)
-        return Selection(indices=slots.clamp(max=capacity - 1), count=page_count * PAGE)
+        # a last page past the capacity (blocks not a multiple of a page) repeats the last slot, unattended
+        return Selection(indices=slots.clamp(max=capacity - 1), count=page_count * PAGE, valid=slots < capacity)

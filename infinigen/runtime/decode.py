@@ -1,0 +1,156 @@
+"""Decode steps as CUDA graphs, and the decoding loop that runs them for transformers' ``generate``.
+
+A decode step of a transformers model is a few thousand small kernels launched from Python: on a
+fast GPU the host, not the GPU, sets the pace (BENCHMARKS.md, session 3). ``StepGraph`` captures a
+whole step (every layer, the selections, the prefetches on the transfer stream) once and replays
+it: nothing in a step depends on the host while no buffer grows, because every layer writes its
+token at the cache's device-side ``slot`` and attends through validity masks over fixed-size
+buffers. When a buffer grows (once per pool block), the step runs eagerly and the next is captured
+again.
+
+    cache = infinigen.cache_for(model, budget=0.2)
+    model.generate(**inputs, past_key_values=cache, custom_generate=infinigen.decode, max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import PreTrainedModel
+
+from infinigen.errors import InfinigenError
+from infinigen.runtime.cache import InfinigenCache
+from infinigen.runtime.graphs import capture
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name ``model.forward`` / ``generate`` take a cache under: ``cache`` in newer transformers,
+    ``past_key_values`` before (5.17)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class StepGraph:
+    """Runs decode steps (one token per row) of ``model`` with ``cache``; on CUDA, each step whose
+    buffers have the capacities of the previous one replays that step's CUDA graph."""
+
+    def __init__(self, model: PreTrainedModel, cache: InfinigenCache) -> None:
+        self.model, self.cache = model, cache
+        self.argument = cache_argument(model)
+        self.signature: tuple | None = None  # the cache's step_signature the graph was captured at
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions (B, 1) -> the next-token logits (B, vocab). On CUDA the logits are the
+        graph's output buffer: read them before the next step."""
+        cache = self.cache
+        cache.driven = True
+        try:
+            cache.begin_decode_step()
+            signature = cache.step_signature()
+            if signature is None or signature != self.signature:
+                self.graph, self.signature = None, signature  # a new capacity: run eagerly, capture next time
+                return self._eager(tokens, positions)
+            cached = cache.cached_tokens()
+            captured = self.graph is None
+            if captured:
+                self.tokens, self.positions = tokens.clone(), positions.clone()
+                self.graph, self.logits = self._capture()
+            else:
+                self.tokens.copy_(tokens)
+                self.positions.copy_(positions)
+            self.graph.replay()
+            cache.replayed(cached, captured)
+            return self.logits
+        finally:
+            cache.driven = False
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        kwargs = {self.argument: self.cache, "position_ids": positions, "use_cache": True, "logits_to_keep": 1}
+        return self.model(tokens, **kwargs).logits[:, -1]
+
+    def _eager(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.stream is None:
+            return self._forward(tokens, positions)
+        # on the capture stream, so that its lazy initialisation (cuBLAS workspaces) is done for the capture
+        self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(self.stream):
+            logits = self._forward(tokens, positions)
+        torch.cuda.current_stream(self.cache.device).wait_stream(self.stream)
+        return logits
+
+    def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.cache.capturing = True
+        try:
+            return capture(lambda: self._forward(self.tokens, self.positions), self.stream)
+        finally:
+            self.cache.capturing = False
+
+
+def prefill(
+    model: PreTrainedModel, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
+    """Feed the prompt ids (B, T), left-padded where ``mask`` (B, T) is 0, in chunks of ``chunk``
+    tokens (None: at once): the next-token logits (B, vocab)."""
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    chunk = chunk or ids.shape[1]
+    for start in range(0, ids.shape[1], chunk):
+        end = min(start + chunk, ids.shape[1])
+        inputs = {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end], "logits_to_keep": 1}
+        logits = model(ids[:, start:end], **{cache_argument(model): cache}, use_cache=True, **inputs).logits[:, -1]
+    return logits
+
+
+@torch.no_grad()
+def decode(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    decode_streamer=None,
+    **model_kwargs,
+) -> torch.Tensor:
+    """A ``custom_generate`` for transformers' ``generate``: greedy or sampled decoding with an
+    ``InfinigenCache``, each decode step a ``StepGraph`` step. Returns the token ids (B, T + new).
+
+    transformers (5.17 to 5.24 at least) hands a callable ``custom_generate`` only the prompt's
+    ``streamer.put``, not the streamer: pass it as ``decode_streamer`` to stream the new tokens too."""
+    cache = model_kwargs.get("past_key_values", model_kwargs.get("cache"))
+    if not isinstance(cache, InfinigenCache):
+        raise InfinigenError("infinigen.decode needs an InfinigenCache: pass the cache of infinigen.cache_for(model)")
+    if generation_config.return_dict_in_generate:
+        raise InfinigenError("infinigen.decode returns token ids only: leave return_dict_in_generate off")
+    if decode_streamer is not None:
+        streamer = decode_streamer
+        streamer.put(input_ids.cpu())  # as generate does for its own loop
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids) if mask is None else mask
+    logits = prefill(model, cache, input_ids, mask, getattr(generation_config, "prefill_chunk_size", None))
+    step = StepGraph(model, cache)
+    position = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)  # (B, 1) of the last prompt token
+    pad = generation_config.pad_token_id
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    while True:
+        scores = logits_processor(input_ids, logits.float())
+        if generation_config.do_sample:
+            tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1)[:, 0]
+        else:
+            tokens = scores.argmax(dim=-1)
+        if pad is not None:
+            tokens = torch.where(unfinished, tokens, pad)
+        input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+        if streamer is not None:
+            streamer.put(tokens.cpu())
+        unfinished &= ~stopping_criteria(input_ids, scores)
+        if not bool(unfinished.any()):
+            break
+        position = position + 1
+        logits = step(tokens[:, None], position)
+    if streamer is not None:
+        streamer.end()
+    return input_ids

@@ -1,0 +1,138 @@
+"""The decoding loop (``infinigen.decode`` as transformers' ``custom_generate``) and whole-step CUDA
+graphs (``StepGraph``): the same tokens as transformers' own loop, for every policy; on CUDA the
+captured steps replay the eager ones exactly, across buffer growth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_runtime import EXACT, EXACT_POLICIES, greedy, padded_batch, tiny_setup
+from transformers import DynamicCache, TextStreamer
+
+import infinigen
+from infinigen.errors import InfinigenError
+from infinigen.runtime import POLICIES, StepGraph, cache_argument, cache_for
+from infinigen.runtime.decode import prefill
+
+
+def prompts_batch(device, lengths=(9, 23, 16), seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return padded_batch([torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths], 1, device)
+
+
+def decoded(model, inputs, cache, new_tokens: int = 12, **kwargs) -> torch.Tensor:
+    out = model.generate(
+        **inputs,
+        max_new_tokens=new_tokens,
+        pad_token_id=1,
+        custom_generate=infinigen.decode,
+        **{cache_argument(model): cache},
+        **kwargs,
+    )
+    return out[:, inputs["input_ids"].shape[1] :]
+
+
+@pytest.mark.parametrize("block_tokens", [1024, 8])  # 8: the buffers grow every few steps
+@pytest.mark.parametrize("policy", [*EXACT_POLICIES, "dense"])
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_decode_at_full_budget_is_exact(tokenizer, arch, policy, block_tokens, device):
+    model, artifact = tiny_setup(tokenizer, arch, device)
+    inputs = prompts_batch(device)
+    expected = greedy(model, inputs, DynamicCache(), new_tokens=20)
+    cache = cache_for(model, artifact, policy=policy, block_tokens=block_tokens, **EXACT)
+    assert torch.equal(decoded(model, inputs, cache, new_tokens=20, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_decode_equals_generate_for_every_policy(tokenizer, policy, device):
+    """Lossy settings too: the loop (and on CUDA its graphs) changes nothing but the launches,
+    so tokens and the fetch statistics are those of transformers' loop."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    inputs = prompts_batch(device, seed=3)
+    settings = dict(policy=policy, budget=0.3, block_tokens=16, min_tokens=2)
+    plain_cache, decode_cache = (cache_for(model, artifact, **settings) for _ in range(2))
+    expected = greedy(model, inputs, plain_cache, new_tokens=24)
+    assert torch.equal(decoded(model, inputs, decode_cache, new_tokens=24, do_sample=False), expected)
+    if policy != "dense":
+        plain, loop = plain_cache.summary(), decode_cache.summary()
+        assert loop["fraction_fetched"] == plain["fraction_fetched"] > 0
+        assert loop["bytes_host_to_device"] == plain["bytes_host_to_device"]
+        assert loop["bytes_device_to_host"] == plain["bytes_device_to_host"]
+
+
+def test_decode_with_a_limited_pool_matches_generate(tokenizer, device):
+    """A full pool evicts on the host: those steps run eagerly, with the same result."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    inputs = prompts_batch(device, lengths=(20, 20), seed=4)
+    spec = cache_for(model, artifact).spec
+    row_bytes = 2 * spec.head_dim * model.dtype.itemsize
+    gb = 24 * (spec.n_layers - 2) * 2 * spec.n_kv_heads * row_bytes / 2**30  # 24 tokens per sequence
+    settings = dict(budget=0.5, cpu_pool_gb=gb, block_tokens=8)
+    plain_cache, decode_cache = (cache_for(model, artifact, **settings) for _ in range(2))
+    expected = greedy(model, inputs, plain_cache, new_tokens=12)
+    assert torch.equal(decoded(model, inputs, decode_cache, do_sample=False), expected)
+    assert decode_cache.summary()["evicted_tokens"] == plain_cache.summary()["evicted_tokens"] > 0
+
+
+def test_decode_samples_as_generate_does(tokenizer, device):
+    model, artifact = tiny_setup(tokenizer, "qwen2", device)
+    inputs = prompts_batch(device, lengths=(16, 16), seed=2)
+    samples = []
+    for use_decode in (False, True):
+        torch.manual_seed(0)
+        cache = cache_for(model, artifact, **EXACT)
+        kwargs = dict(do_sample=True, top_k=50, pad_token_id=1, max_new_tokens=10, **{cache_argument(model): cache})
+        if use_decode:
+            kwargs["custom_generate"] = infinigen.decode
+        samples.append(model.generate(**inputs, **kwargs))
+    assert torch.equal(samples[0], samples[1])
+
+
+def test_decode_streams_and_stops_at_eos(tokenizer, device, capsys):
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    inputs = prompts_batch(device, lengths=(12,))
+    free = decoded(model, inputs, cache_for(model, artifact), new_tokens=8, do_sample=False)
+    eos = int(free[0, 3])
+    stopped = decoded(
+        model,
+        inputs,
+        cache_for(model, artifact),
+        new_tokens=8,
+        do_sample=False,
+        eos_token_id=eos,
+        decode_streamer=TextStreamer(tokenizer, skip_prompt=True),
+    )
+    assert torch.equal(stopped[0], free[0, : int((free[0] == eos).nonzero()[0]) + 1])
+    assert capsys.readouterr().out.split() == tokenizer.decode(stopped[0]).split()
+
+
+def test_decode_needs_an_infinigen_cache(tokenizer):
+    model, _ = tiny_setup(tokenizer, "llama", "cpu")
+    with pytest.raises(InfinigenError, match="needs an InfinigenCache"):
+        decoded(model, prompts_batch("cpu"), DynamicCache(), do_sample=False)
+
+
+@pytest.mark.parametrize("policy", ["infinigen", "full", "quest", "int4"])
+@torch.no_grad()
+def test_step_graph_replays_the_eager_step_exactly(tokenizer, policy, device):
+    """On CUDA, steps are captured and replayed (across pool growth: 8-token blocks); the logits equal
+    those of the same steps run eagerly (graphs off), bit for bit."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    inputs = prompts_batch(device)
+    runs = []
+    for graphs in (False, True):
+        cache = cache_for(model, artifact, policy=policy, budget=0.3, block_tokens=8, cuda_graphs=graphs)
+        logits = prefill(model, cache, inputs["input_ids"], inputs["attention_mask"])
+        step, position = StepGraph(model, cache), inputs["attention_mask"].sum(-1, keepdim=True) - 1
+        steps, replays = [], 0
+        for _ in range(20):
+            position = position + 1
+            logits = step(logits.argmax(-1, keepdim=True), position).clone()
+            steps.append(logits)
+            replays += step.graph is not None
+        runs.append((torch.stack(steps), replays))
+    (eager, eager_replays), (graphed, graphed_replays) = runs
+    assert eager_replays == 0 and graphed_replays >= 10
+    assert torch.equal(graphed, eager)
