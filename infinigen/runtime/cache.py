@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from infinigen.architectures import attention_norm, decoder_layers, mlp_norm, model_spec
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
+from infinigen.runtime import decode_attention
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_tokens
 from infinigen.runtime.policies import Selection, make_policy
@@ -260,14 +261,17 @@ class InfinigenCache(Cache):
 
 def grouped_decode_attention(query, keys, values, valid, scaling, need_probs: bool = False):
     """One query token over gathered rows. query (B, H, 1, d); keys/values (B, kv_heads, S, d);
-    valid (B, kv_heads, S). Grouped-query heads share their KV head's rows (no repeat): each KV
+    valid (B, kv_heads or 1, S). Grouped-query heads share their KV head's rows (no repeat): each KV
     head's group of queries is one short query sequence. Returns the output (B, 1, H, d), as
     transformers' attention functions do, and, if ``need_probs``, the attention probabilities
     (B, kv_heads, G, S) (else None)."""
     batch, heads, _, head_dim = query.shape
     kv_heads = keys.shape[1]
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
-    if not need_probs:  # one fused kernel (memory-efficient SDPA on CUDA)
+    if not need_probs and decode_attention.available(query.device):  # split-KV kernel
+        out = decode_attention.split_decode_attention(grouped, keys, values, valid, scaling)
+        return out.reshape(batch, 1, heads, head_dim), None
+    if not need_probs:  # one fused kernel
         with sdpa_kernel(DENSE_BACKENDS):
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, :, None, :], scale=scaling)
         return out.reshape(batch, 1, heads, head_dim), None

@@ -1,0 +1,57 @@
+"""The split-KV decode attention kernel (Triton's CPU interpreter here, compiled on CUDA) against
+plain softmax attention: grouped heads, strided keys, a broadcast mask, chunks with no valid key."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinigen.runtime import decode_attention
+
+CHECK = r"""
+import math, torch
+from infinigen.runtime.decode_attention import split_decode_attention
+
+def reference(q, k, v, valid, scale):
+    scores = torch.einsum("bkgd,bksd->bkgs", q.double(), k.double()) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], -math.inf)
+    return torch.einsum("bkgs,bksd->bkgd", scores.softmax(-1), v.double())
+
+def check(device, dtype, tolerance):
+    generator = torch.Generator().manual_seed(0)
+    for batch, kv_heads, group, head_dim, length, shared in [(2, 3, 4, 16, 300, False), (1, 2, 1, 64, 1000, True)]:
+        rows = torch.randn(batch, kv_heads, 2, length, head_dim, generator=generator)  # K and V planes, as fetched
+        q = torch.randn(batch, kv_heads, group, head_dim, generator=generator)
+        valid = torch.rand(batch, 1 if shared else kv_heads, length, generator=generator) > 0.5
+        valid[..., :256] = False  # a whole chunk without a valid key (chunks: 192 and 256 keys here)
+        valid[..., -1] = True
+        rows, q, valid = rows.to(device, dtype), q.to(device, dtype), valid.to(device)
+        out = split_decode_attention(q, rows[:, :, 0], rows[:, :, 1], valid, 0.125)
+        expected = reference(q, rows[:, :, 0], rows[:, :, 1], valid.expand(batch, kv_heads, length), 0.125)
+        assert out.dtype == dtype and out.shape == q.shape
+        torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+"""
+
+
+@pytest.mark.skipif(decode_attention.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the compiled kernel is tested")
+def test_split_decode_attention_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    code = CHECK + '\ncheck("cpu", torch.float32, 1e-5)\nprint("ok")\n'
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_split_decode_attention_on_cuda(dtype, tolerance):
+    namespace: dict = {}
+    exec(CHECK, namespace)
+    namespace["check"]("cuda", dtype, tolerance)
