@@ -774,7 +774,9 @@ def ppl(
                 **settings,
             )
         )
-        if not as_json:
+        if as_json:  # each row on stderr as it finishes: a run cut off by a time limit keeps them
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        else:
             err_console.print(f"{settings['policy']} budget {settings['budget']}: perplexity {rows[-1]['perplexity']}")
     report = {
         "model": loaded.source.model_id,

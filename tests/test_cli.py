@@ -292,6 +292,8 @@ def test_eval_ppl(prepared, tmp_path):
     report = json.loads(result.stdout)
     assert [(r["policy"], r["budget"]) for r in report["results"]] == [("dense", 1.0), ("infinigen", 0.5)]
     assert report["windows"] == 3 and all(r["tokens_scored"] == 3 * 32 for r in report["results"])
+    progress = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert progress == report["results"]  # each row on stderr as it finishes
     bad = invoke(*args.split(), "--prefix", "64", "--device", "cpu")
     assert bad.exit_code == 2 and "--prefix must be in" in bad.output
 
