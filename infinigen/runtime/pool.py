@@ -51,15 +51,15 @@ class KVPool:
         """Allocate blocks until ``n_tokens`` slots exist (the caller writes every new slot below
         ``n_tokens``; the new slots above it are zeroed: a fetch of a whole page or a fixed number of
         rows may read them, and attention masks them, but a masked row must hold no NaN)."""
-        added = False
+        added, pinned = False, self.device.type == "cuda"
         while self.capacity < n_tokens:
-            pinned = self.device.type == "cuda"
             self.blocks.append(torch.empty(self.shape, dtype=self.dtype, pin_memory=pinned))
             added = True
         if added:
             self.blocks[-1][:, :, n_tokens - self.capacity + self.block_tokens :].zero_()
-            table = [block.data_ptr() for block in self.blocks]
-            self.block_table = torch.tensor(table, dtype=torch.int64).to(self.device, non_blocking=False)
+            table = torch.tensor([block.data_ptr() for block in self.blocks], dtype=torch.int64, pin_memory=pinned)
+            # from pinned memory without waiting for the device (a pageable copy would wait for the queued work)
+            self.block_table = table.to(self.device, non_blocking=True)
 
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, T, 2, d) at slots start .. start+T-1 of every (batch, head)."""
