@@ -55,7 +55,12 @@ def dense_forward_nll(model: PreTrainedModel, ids: torch.Tensor, prefix: int) ->
 
 
 def stepwise_logits(
-    model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, attention_mask: torch.Tensor | None = None
+    model: PreTrainedModel,
+    cache,
+    ids: torch.Tensor,
+    prefix: int,
+    attention_mask: torch.Tensor | None = None,
+    step: StepGraph | None = None,
 ) -> Iterator[torch.Tensor]:
     """Prefill ids[:, :prefix] densely, then feed ids[:, prefix:] one token per decode step (a
     ``StepGraph``: CUDA graphs on CUDA); yields the next-token logits (B, V) after the prefill and
@@ -64,7 +69,7 @@ def stepwise_logits(
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     yield prefill(model, cache, ids[:, :prefix], mask[:, :prefix])
-    step = StepGraph(model, cache)
+    step = step or StepGraph(model, cache)
     for t in range(prefix, ids.shape[1]):
         yield step(ids[:, t : t + 1], positions[:, t : t + 1]).clone()  # the graph's buffer is reused
 
@@ -104,9 +109,10 @@ def continuation_logprobs(
 def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, new_tokens: int) -> torch.Tensor:
     """Through the runtime: prefill ids[:, :prefix], feed the rest one token per decode step, then
     decode ``new_tokens`` greedy tokens one per step. (B, new_tokens)."""
-    *_, logits = stepwise_logits(model, cache, ids, prefix)
+    step = StepGraph(model, cache)  # one graph for the fed and the generated tokens
+    *_, logits = stepwise_logits(model, cache, ids, prefix, step=step)
     tokens = [logits.argmax(-1, keepdim=True)]
-    step, position = StepGraph(model, cache), torch.full_like(tokens[0], ids.shape[1] - 1)
+    position = torch.full_like(tokens[0], ids.shape[1] - 1)
     for _ in range(new_tokens - 1):
         position = position + 1
         tokens.append(step(tokens[-1], position).argmax(-1, keepdim=True))
