@@ -114,8 +114,9 @@ class InfinigenCache(Cache):
         return buffer[:numel].view(shape)
 
     def captures(self, layer: OffloadedLayer) -> bool:
-        """Whether ``layer``'s selection runs as a CUDA graph: a capturable policy on CUDA, with an
-        unlimited pool (eviction bookkeeping counts steps on the host)."""
+        """Whether ``layer``'s selection runs as its own CUDA graph: a capturable policy on CUDA, with an
+        unlimited pool (eviction bookkeeping counts steps on the host), under transformers' own loop
+        (a ``StepGraph`` captures whole steps instead)."""
         return not self.driven and self._capturable(layer)
 
     def _capturable(self, layer: OffloadedLayer) -> bool:
