@@ -74,6 +74,16 @@ def test_decode_with_a_limited_pool_matches_generate(tokenizer, device):
     assert decode_cache.summary()["evicted_tokens"] == plain_cache.summary()["evicted_tokens"] > 0
 
 
+def test_decode_chunked_prefill_and_one_token(tokenizer, device):
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    inputs = prompts_batch(device, lengths=(9, 23))
+    expected = greedy(model, inputs, DynamicCache(), new_tokens=12)
+    chunked = decoded(model, inputs, cache_for(model, artifact, **EXACT), do_sample=False, prefill_chunk_size=8)
+    assert torch.equal(chunked, expected)
+    one = decoded(model, inputs, cache_for(model, artifact), new_tokens=1, do_sample=False)
+    assert torch.equal(one, expected[:, :1])
+
+
 def test_decode_samples_as_generate_does(tokenizer, device):
     model, artifact = tiny_setup(tokenizer, "qwen2", device)
     inputs = prompts_batch(device, lengths=(16, 16), seed=2)
