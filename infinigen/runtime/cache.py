@@ -146,11 +146,12 @@ class InfinigenCache(Cache):
         )
         return (tuple(layer.capacity for layer in self.layers), self.move_rows) if capturable else None
 
-    def cached_tokens(self) -> list:
-        """Per offloaded layer, the tokens it has cached (see ``OffloadedLayer.cached_tokens``)."""
-        return [layer.cached_tokens() for layer in self.offloaded]
+    def cached_tokens(self) -> torch.Tensor | int:
+        """Tokens cached per batch row (``OffloadedLayer.cached_tokens``). In a capturable step every
+        pool is unlimited, so every offloaded layer holds the same slots: one layer answers for all."""
+        return self.offloaded[0].cached_tokens() if self.offloaded else 0
 
-    def replayed(self, cached: list, captured: bool) -> None:
+    def replayed(self, cached: torch.Tensor | int, captured: bool) -> None:
         """After a replay of a captured decode step, the host-side work the replay skipped: each
         offloaded layer's fetch statistics (``cached``: ``cached_tokens()`` before the step), and,
         unless the replay follows its capture (which ran the Python once), the layers' counters."""
@@ -158,8 +159,8 @@ class InfinigenCache(Cache):
         layers = self.offloaded
         if layers:
             moved = torch.stack([layer.captured_moved for layer in layers])  # (layers, B), out of the graph
-            for layer, rows, tokens in zip(layers, moved, cached, strict=True):
-                layer.stats.record(rows, tokens, *layer.valid.shape[:2])
+            for layer, rows in zip(layers, moved, strict=True):
+                layer.stats.record(rows, cached, *layer.valid.shape[:2])
         if not captured:
             for layer in self.layers:
                 layer.advance()

@@ -95,11 +95,11 @@ def prefill(
     """Feed the prompt ids (B, T), left-padded where ``mask`` (B, T) is 0, in chunks of ``chunk``
     tokens (None: at once): the next-token logits (B, vocab)."""
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    chunk = chunk or ids.shape[1]
+    chunk, argument = chunk or ids.shape[1], cache_argument(model)
     for start in range(0, ids.shape[1], chunk):
         end = min(start + chunk, ids.shape[1])
         inputs = {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end], "logits_to_keep": 1}
-        logits = model(ids[:, start:end], **{cache_argument(model): cache}, use_cache=True, **inputs).logits[:, -1]
+        logits = model(ids[:, start:end], **{argument: cache}, use_cache=True, **inputs).logits[:, -1]
     return logits
 
 
