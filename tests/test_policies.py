@@ -30,20 +30,24 @@ def tiny_llama(request, tokenizer):
     return tiny_setup(tokenizer, "llama", request.param)
 
 
-def fake_layer(n: int, batch: int = 1, kv_heads: int = 1) -> SimpleNamespace:
-    """What a policy reads from its offloaded layer, without a model."""
+def fake_layer(n: int, batch: int = 1, kv_heads: int = 1, capacity: int | None = None) -> SimpleNamespace:
+    """What a policy reads from its offloaded layer, without a model: ``n`` slots in use of
+    ``capacity`` (default n), the rest invalid."""
     slots = torch.arange(4096)
-    return SimpleNamespace(
+    capacity = capacity or n
+    layer = SimpleNamespace(
         used=n,
-        capacity=n,
-        valid=torch.ones(batch, kv_heads, n, dtype=torch.bool),
+        capacity=capacity,
+        valid=slots[:capacity].expand(batch, kv_heads, capacity) < n,
         runtime=SimpleNamespace(all_slots=lambda k: slots[:k]),
     )
+    layer.device_used = lambda: torch.tensor([layer.used])
+    return layer
 
 
 def test_h2o_keeps_heavy_hitters_and_the_recent_window_and_forgets_evictions():
     policy = H2OPolicy(RuntimeConfig(policy="h2o", budget=0.5, min_tokens=1))
-    layer = fake_layer(20)
+    layer = fake_layer(20, capacity=24)  # buffers sized by the capacity, as captured selections read them
     policy.stored(layer, slice(0, 20), torch.zeros(1, 1, 20, 4))
     heavy = [0, 3, 7, 9, 12]
     mass = torch.full((1, 1, 20), 0.01)
@@ -54,7 +58,7 @@ def test_h2o_keeps_heavy_hitters_and_the_recent_window_and_forgets_evictions():
     assert first.count.tolist() == [10]
     assert first.indices[0, 0, :10].tolist() == heavy + [15, 16, 17, 18, 19]
 
-    layer.used, layer.capacity, layer.valid = 21, 21, torch.ones(1, 1, 21, dtype=torch.bool)
+    layer.used, layer.valid = 21, torch.arange(24).expand(1, 1, 24) < 21
     policy.stored(layer, slice(20, 21), torch.zeros(1, 1, 1, 4))  # one decoded token
     slots = first.indices[..., :10]
     step_mass = torch.zeros(1, 1, 10)

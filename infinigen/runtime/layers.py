@@ -247,14 +247,17 @@ class OffloadedLayer(_Layer):
         self.length += 1
         self.stats.written_rows += self.valid.shape[0] * self.valid.shape[1]
 
+    def device_used(self) -> torch.Tensor:
+        """``used`` as a (1,) tensor on the device: the cache's ``slot`` while the pool appends (a
+        captured step reads its current value), else a constant (a full pool runs eagerly)."""
+        return self.runtime.slot if self.appends() else torch.full((1,), self.used, device=self.device)
+
     def every_slot(self) -> Selection:
-        """A bulk fetch of every cached slot. Its indices cover the whole capacity and its ``count``
-        (the slots in use: the cache's ``slot``) lives on the device, so a CUDA graph replays it."""
-        if not self.appends():  # a full pool evicts, which runs eagerly: the host knows the count
-            return Selection()
+        """A bulk fetch of every cached slot: indices over the whole capacity, the count of slots in
+        use on the device, so a CUDA graph replays it."""
         batch, kv_heads = self.valid.shape[:2]
         indices = self.runtime.all_slots(self.capacity).expand(batch, kv_heads, self.capacity)
-        return Selection(indices=indices, count=self.runtime.slot.to(torch.int32).expand(batch))
+        return Selection(indices=indices, count=self.device_used().to(torch.int32).expand(batch))
 
     def cached_tokens(self) -> torch.Tensor | int:
         """Tokens cached per batch row: (B,) on the device when padding makes rows differ, else an int."""

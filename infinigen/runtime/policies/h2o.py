@@ -18,7 +18,6 @@ class H2OPolicy(Policy):
     name = "h2o"
     observes_attention = True
     budgeted = True
-    capturable = False  # its selection evicts with the host's count of used slots
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -39,13 +38,14 @@ class H2OPolicy(Policy):
             self.scores.scatter_add_(-1, slots, mass)
 
     def select(self, layer, attention_input, rope) -> Selection:
-        n, cfg = layer.used, self.config
+        n, cfg = layer.capacity, self.config  # every slot the buffers have; unused ones are invalid
         valid = layer.valid[:, :, :n]
-        if self.keep is None:  # the prompt is cached: fix the budget
+        if self.keep is None:  # the prompt is cached: fix the budget (at the first, uncaptured, decode step)
             cached = valid.sum(dim=-1).amax(dim=1)  # (B,)
             self.keep = (cached * cfg.budget).ceil().clamp(min=cfg.min_tokens).minimum(cached).to(torch.int32)
         k_max = min(n, max(cfg.min_tokens, math.ceil(cfg.budget * n)))  # >= keep: a static bound
-        recent = layer.runtime.all_slots(n) >= (n - self.keep // 2)[:, None, None]
+        used = layer.device_used()  # (1,)
+        recent = layer.runtime.all_slots(n) >= (used - self.keep // 2)[:, None, None]  # and unused: invalid
         candidates = self.alive[:, :, :n] & valid
         priority = self.scores[:, :, :n].masked_fill(recent, math.inf).masked_fill(~candidates, -math.inf)
         ranked = priority.topk(k_max, dim=-1).indices  # (B, kv_heads, k_max): best first
