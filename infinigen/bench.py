@@ -388,10 +388,11 @@ def micro_gather(
 
 def _speculate(x, query_projection, partial_keys, key_scale, valid, budget: float) -> None:
     from infinigen.runtime.policies.infinigen import select_tokens
+    from infinigen.runtime.top_slots import CountRule
 
     partial_query = torch.einsum("bx,hxr->bhr", x, query_projection)
     k_max = math.ceil(budget * partial_keys.shape[2])
-    select_tokens(partial_query, partial_keys, valid, k_max, budget, math.inf, 8, key_scale=key_scale)
+    select_tokens(partial_query, partial_keys, valid, k_max, CountRule(budget, math.inf, 8), key_scale=key_scale)
 
 
 def captured_replay(fn):

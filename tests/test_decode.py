@@ -146,3 +146,18 @@ def test_step_graph_replays_the_eager_step_exactly(tokenizer, policy, device):
     (eager, eager_replays), (graphed, graphed_replays) = runs
     assert eager_replays == 0 and graphed_replays >= 10
     assert torch.equal(graphed, eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_capture_first_returns_idle_cached_memory_when_the_device_runs_short():
+    from infinigen.runtime.graphs import make_room
+
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    assert not make_room(device)  # nothing idle in the allocator's cache
+    free = torch.cuda.mem_get_info(device)[0]
+    block = torch.empty(int(free * 0.6), dtype=torch.uint8, device=device)
+    del block  # 60% of what was free is now cached and idle, 40% free: a capture could not use it
+    assert make_room(device)
+    assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) < free * 0.1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from conftest import DEVICES
 from test_runtime import greedy, padded_batch, teacher_forced_argmax, tiny_setup
 
 from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
+from infinigen.runtime.buffers import store_slots
 from infinigen.runtime.layers import OffloadedLayer
 from infinigen.runtime.policies.h2o import H2OPolicy
 from infinigen.runtime.policies.infinigen import group_scores
@@ -113,8 +115,16 @@ def test_quantized_partial_keys_score_as_their_values_and_keep_the_ranking(bits,
     assert min(kept) >= overlap  # the top 20% by quantized scores are mostly the top 20% by exact ones
 
 
+def tile_maxima(scores: torch.Tensor) -> torch.Tensor:
+    """(B, kv_heads, n) -> the best of each TOKENS_PER_PROGRAM-slot tile of each row (B * kv_heads, tiles)."""
+    tile = scoring.TOKENS_PER_PROGRAM
+    padded = torch.nn.functional.pad(scores, (0, -scores.shape[-1] % tile), value=-math.inf)
+    return padded.unflatten(-1, (-1, tile)).amax(-1).flatten(0, 1)
+
+
 FUSED_SCORES_CHECK = r"""
 import torch
+from test_policies import tile_maxima
 from infinigen.runtime.policies.infinigen import group_scores
 from infinigen.runtime.scoring import fused_group_scores, quantize_rows
 g = torch.Generator().manual_seed(0)
@@ -124,11 +134,12 @@ valid = torch.rand(B, kv, cap, generator=g) > 0.3
 q = torch.randn(B, kv * G, c, generator=g)
 for bits in (8, 4):
     codes, scale = quantize_rows(keys, bits)
-    out = fused_group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
+    out, tile_max = fused_group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
     ref = group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
     assert out.shape == ref.shape == (B, kv, n) and out.dtype == torch.float32
     assert torch.equal(out.isinf(), ref.isinf()), "masked slots"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(tile_max, tile_maxima(out))
 print("ok")
 """
 
@@ -138,12 +149,94 @@ print("ok")
 def test_fused_scores_in_interpreter():
     """The Triton kernel (run by Triton's CPU interpreter) scores 8- and 4-bit codes in slices of
     capacity-sized buffers as the PyTorch path does, -inf where invalid."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
     root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]))
     result = subprocess.run(
         [sys.executable, "-c", FUSED_SCORES_CHECK], env=env, cwd=root, capture_output=True, text=True
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def check_rotated_partial_query(device: str) -> None:
+    """The one-kernel partial query of a RoPE model equals the rotation then the projection in PyTorch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infinigen.architectures import model_spec
+    from infinigen.runtime.speculation import rotated_partial_query, rotated_query
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1)
+    config.num_attention_heads, config.num_key_value_heads = 4, 2
+    model = LlamaForCausalLM(config).to(device)
+    spec, attention = model_spec(config), model.model.layers[0].self_attn
+    x = torch.randn(3, 1, 64, device=device)
+    positions = torch.tensor([[5, 6], [9, 10], [0, 1]], device=device)  # the last of each row is the token's
+    rope = model.model.rotary_emb(x, positions)
+    projection = torch.randn(spec.n_heads, spec.head_dim, 6, device=device)
+    expected = torch.einsum("bhd,hdr->bhr", rotated_query(attention, spec, x[:, 0], rope), projection)
+    torch.testing.assert_close(rotated_partial_query(attention, spec, x[:, 0], rope, projection), expected)
+
+
+@pytest.mark.skipif(scoring.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the compiled kernel is tested")
+def test_rotated_partial_query_in_interpreter():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]))
+    script = "from test_policies import check_rotated_partial_query\ncheck_rotated_partial_query('cpu')\nprint('ok')"
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_rotated_partial_query_on_cuda():
+    check_rotated_partial_query("cuda")
+
+
+def check_store_token_codes(device: str, dtype: torch.dtype) -> None:
+    """``store_token_codes`` writes a decode token's codes and scale where PyTorch (project,
+    ``quantize_rows``, ``store_slots``) writes them: codes within one step, the same scale (to the
+    projection's rounding in 16-bit dtypes), nothing else touched."""
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, d, r, capacity = 2, 3, 24, 10, 50
+    exact = dtype == torch.float32
+    for bits in (8, 4):
+        keys = torch.randn(batch, kv_heads, 1, d, generator=generator).to(device, dtype)
+        keys[1, 2] = 0  # all-zero keys: the least scale, zero codes
+        projection = torch.randn(kv_heads, d, r, generator=generator).to(device, dtype)
+        slots = torch.tensor([[3, 7, 49], [0, 0, 12]], device=device)
+        codes, scale = quantize_rows(
+            torch.randn(batch, kv_heads, capacity, r, generator=generator).to(device, dtype), bits
+        )
+        token_codes, token_scale = quantize_rows(torch.matmul(keys, projection), bits)
+        expected_codes = store_slots(codes.clone(), slots, token_codes, capacity)
+        expected_scale = store_slots(scale.clone(), slots, token_scale, capacity)
+        scoring.store_token_codes(keys, projection, slots, codes, scale)
+        torch.testing.assert_close(scale, expected_scale, rtol=1e-5 if exact else 2e-2, atol=0)
+        differ = code_values(codes).int() - code_values(expected_codes).int()
+        assert differ.abs().max() <= 1 and (not exact or bool((differ != 0).sum() <= 2))
+        scoring.store_token_codes(
+            keys, projection, torch.tensor([20], device=device).expand(batch, kv_heads), codes, scale
+        )
+        torch.testing.assert_close(scale[:, :, 20], token_scale[:, :, 0], rtol=1e-5 if exact else 2e-2, atol=0)
+
+
+@pytest.mark.skipif(scoring.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the compiled kernel is tested")
+def test_store_token_codes_in_interpreter():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]))
+    script = "import torch\nfrom test_policies import check_store_token_codes\n"
+    script += "check_store_token_codes('cpu', torch.float32)\nprint('ok')"
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_token_codes_on_cuda(dtype):
+    check_store_token_codes("cuda", dtype)
 
 
 @pytest.mark.cuda
@@ -157,10 +250,11 @@ def test_fused_scores_on_cuda_match_the_pytorch_path(bits):
     queries = torch.randn(2, 32, 40, generator=generator).bfloat16()
     n = 777  # a slice of capacity-sized buffers, as the runtime passes them
     sliced = (codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
-    fused = scoring.fused_group_scores(queries.cuda(), *(t.cuda() for t in sliced))
+    fused, tile_max = scoring.fused_group_scores(queries.cuda(), *(t.cuda() for t in sliced))
     expected = group_scores(queries.float(), sliced[0], sliced[1], sliced[2].float())
     assert torch.equal(fused.isinf().cpu(), ~valid[:, :, :n])
     torch.testing.assert_close(fused.cpu(), expected, rtol=1e-4, atol=1e-3)
+    assert torch.equal(tile_max, tile_maxima(fused))
 
 
 def test_quest_page_bounds_bound_every_token_of_their_page():

@@ -62,9 +62,23 @@ class SelectionGraph:
         self.capacity = layer.capacity
 
 
+def make_room(device: torch.device) -> bool:
+    """Return the allocator's idle cached memory to the device when it holds more than the device
+    has free. A capture allocates from its own pool: it cannot reuse the general pool's cached
+    blocks, nor free them (no cudaFree while capturing), so many short-lived caches (one per batch
+    of 5-shot examples) would run it out of memory with most of the GPU cached and idle.
+    True when it emptied the cache."""
+    idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if idle <= torch.cuda.mem_get_info(device)[0]:
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
 def capture(fn: Callable[[], T], stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
     """``fn()`` captured on ``stream`` (not the default stream; its lazy initialisation done by an
     earlier run on that stream): the graph and ``fn``'s outputs, which each replay refills."""
+    make_room(stream.device)
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)

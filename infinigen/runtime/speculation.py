@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from infinigen.architectures import ModelSpec
 from infinigen.artifacts import Artifact
+from infinigen.runtime.transfer import triton
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -75,5 +76,69 @@ class LayerSpeculator(nn.Module):
         """Attention input of the previous layer (B, hidden) -> (B, heads, r)."""
         if not self.spec.rope:
             return torch.einsum("bx,hrx->bhr", x, self.query_weight) + self.query_bias
+        if triton is not None and x.device.type == "cuda" and self.spec.head_dim & (self.spec.head_dim - 1) == 0:
+            return rotated_partial_query(self.attention, self.spec, x, rope, self.query_projection)
         q = rotated_query(self.attention, self.spec, x, rope)
         return torch.einsum("bhd,hdr->bhr", q, self.query_projection)
+
+
+def rotated_partial_query(
+    attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope, projection: torch.Tensor
+) -> torch.Tensor:
+    """``rotated_query(...) @ projection`` (B, heads, r), the rotation and the projection in one
+    kernel (PyTorch: seven per layer and step). The same values up to float32 rounding."""
+    q = attention.q_proj(x).view(x.shape[0], spec.n_heads, spec.head_dim)
+    if hasattr(attention, "q_norm"):
+        q = attention.q_norm(q)
+    cos, sin = (t[:, -1] for t in rope)  # (B or 1, d)
+    channels = projection.shape[-1]
+    out = torch.empty(x.shape[0], spec.n_heads, channels, dtype=q.dtype, device=q.device)
+    _rotated_partial_query_kernel[(x.shape[0] * spec.n_heads,)](
+        q.contiguous(),
+        cos,
+        sin,
+        projection,
+        out,
+        spec.n_heads,
+        cos.stride(0) if cos.shape[0] > 1 else 0,
+        sin.stride(0) if sin.shape[0] > 1 else 0,
+        head_dim=spec.head_dim,
+        channels=channels,
+        channels_pow2=triton.next_power_of_2(channels),
+    )
+    return out
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _rotated_partial_query_kernel(
+        q,  # (B * heads, d) contiguous
+        cos,  # (B or 1, d), row stride cos_stride (0: one row for every batch row)
+        sin,  # likewise
+        projection,  # (heads, d, channels) contiguous
+        out,  # (B * heads, channels)
+        heads,
+        cos_stride,
+        sin_stride,
+        head_dim: tl.constexpr,  # a power of two
+        channels: tl.constexpr,
+        channels_pow2: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        b = row // heads
+        i = tl.arange(0, head_dim)
+        c = tl.arange(0, channels_pow2)
+        half: tl.constexpr = head_dim // 2
+        value = tl.load(q + row * head_dim + i).to(tl.float32)
+        partner = tl.load(q + row * head_dim + (i + half) % head_dim).to(tl.float32)
+        rotated = value * tl.load(cos + b * cos_stride + i).to(tl.float32)
+        rotated += tl.where(i < half, -partner, partner) * tl.load(sin + b * sin_stride + i).to(tl.float32)
+        weights = tl.load(
+            projection + (row % heads) * head_dim * channels + i[:, None] * channels + c[None, :],
+            mask=(c < channels)[None, :],
+            other=0,
+        ).to(tl.float32)
+        result = tl.sum(rotated[:, None] * weights, axis=0)
+        tl.store(out + row * channels + c, result.to(out.dtype.element_ty), mask=c < channels)

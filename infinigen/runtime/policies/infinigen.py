@@ -7,10 +7,16 @@ import math
 
 import torch
 
-from infinigen.runtime.buffers import store_slots
+from infinigen.runtime.buffers import grown_to, store_slots
 from infinigen.runtime.policies.base import Policy, Selection
-from infinigen.runtime.scoring import code_values, fused_available, fused_group_scores, quantize_rows
-from infinigen.runtime.top_slots import top_slots
+from infinigen.runtime.scoring import (
+    code_values,
+    fused_available,
+    fused_group_scores,
+    quantize_rows,
+    store_token_codes,
+)
+from infinigen.runtime.top_slots import CountRule, top_slots
 
 
 class InfinigenPolicy(Policy):
@@ -27,6 +33,13 @@ class InfinigenPolicy(Policy):
         self.partial_key_scale: torch.Tensor | None = None
 
     def stored(self, layer, slots, keys) -> None:
+        if self.partial_key_scale is not None and not isinstance(slots, slice) and fused_available(keys.device):
+            # a decode step's token: one kernel projects, quantizes and writes it at its slots (B, kv_heads)
+            self.partial_key_cache = grown_to(self.partial_key_cache, layer.capacity, 2)
+            self.partial_key_scale = grown_to(self.partial_key_scale, layer.capacity, 2)
+            projection = layer.speculator.key_projection
+            store_token_codes(keys, projection, slots, self.partial_key_cache, self.partial_key_scale)
+            return
         partial = layer.speculator.partial_keys(keys)  # (B, kv_heads, T, r)
         if self.config.partial_key_bits < 16:
             partial, scale = quantize_rows(partial, self.config.partial_key_bits)
@@ -42,9 +55,7 @@ class InfinigenPolicy(Policy):
             self.partial_key_cache[:, :, :n],
             layer.valid[:, :, :n],
             k_max,
-            cfg.budget,
-            cfg.alpha,
-            cfg.min_tokens,
+            CountRule(cfg.budget, cfg.alpha, cfg.min_tokens),
             key_scale=None if self.partial_key_scale is None else self.partial_key_scale[:, :, :n],
         )
         return Selection(indices=indices, count=count)
@@ -55,21 +66,16 @@ def select_tokens(
     partial_keys: torch.Tensor,  # (B, kv_heads, n, r)
     valid: torch.Tensor,  # (B, kv_heads, n) bool
     k_max: int,
-    budget: float,
-    alpha: float,
-    min_tokens: int,
+    rule: CountRule,
     key_scale: torch.Tensor | None = None,  # (B, kv_heads, n) for quantized partial keys
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculated scores -> (slots (B, kv_heads, k_max) ascending, count (B,) int32)."""
-    scores = group_scores(partial_query, partial_keys, valid, key_scale)
-    # Per batch row: tokens within alpha of each head's best, averaged over its KV heads, then
-    # capped by the budget share of the row's own cached tokens (rows never influence each other).
-    best = scores.amax(dim=-1, keepdim=True)
-    above = (scores > best - alpha).sum(dim=-1).float().mean(dim=1)  # (B,)
-    cached = valid.sum(dim=-1).amax(dim=1)  # (B,)
-    cap = (cached * budget).ceil().clamp(min=min_tokens).minimum(cached)
-    count = above.round().maximum(cached.clamp(max=min_tokens)).minimum(cap).to(torch.int32)
-    return top_slots(scores, count, k_max), count
+    """Speculated scores -> (slots (B, kv_heads, k_max) ascending, count (B,) int32): per batch row
+    the tokens within alpha of each head's best, averaged over its KV heads, capped by the budget
+    share of the row's own cached tokens (``CountRule``)."""
+    if key_scale is not None and fused_available(partial_keys.device):
+        scores, tile_max = fused_group_scores(partial_query, partial_keys, valid, key_scale)
+        return top_slots(scores, rule, k_max, tile_max)
+    return top_slots(group_scores(partial_query, partial_keys, valid, key_scale), rule, k_max)
 
 
 def group_scores(
@@ -80,7 +86,7 @@ def group_scores(
     (B, kv_heads, n) the keys are the codes of ``quantize_rows`` (a positive scale per token commutes
     with the max over the group)."""
     if key_scale is not None and fused_available(keys.device):
-        return fused_group_scores(queries, keys, valid, key_scale)
+        return fused_group_scores(queries, keys, valid, key_scale)[0]
     if key_scale is not None:
         keys = code_values(keys)
     batch, kv_heads = keys.shape[:2]
