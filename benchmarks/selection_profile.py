@@ -1,8 +1,9 @@
 """One layer's speculation (``select_tokens``: 4-bit partial keys over 64 channels, i.e. ratio 0.5 of
 head_dim 128, Llama-3-8B's 32 query / 8 KV heads), replayed from a CUDA graph as the runtime does:
-the radix ``top_slots`` against the PyTorch top-k + sort it replaced, in one process, then a kernel
-profile of the radix path at 1 x 32K. Needs CUDA. (BENCHMARKS.md session 5's table came from this
-measurement with five warm-up replays instead of one.)
+the radix ``top_slots`` (count rule inside its passes) against PyTorch (the count's reductions,
+top-k + sort), in one process, then a kernel profile of the radix path at 1 x 32K. Needs CUDA.
+(BENCHMARKS.md session 5's table came from this measurement with five warm-up replays instead of
+one, and the count computed by PyTorch on both sides.)
 
     python benchmarks/selection_profile.py
 """
@@ -21,9 +22,11 @@ from infinigen.runtime import top_slots as selection
 from infinigen.runtime.scoring import quantize_rows
 
 
-def pytorch_top_slots(scores: torch.Tensor, count: torch.Tensor, k_max: int) -> torch.Tensor:
-    """The selection before the radix select: top-k over the row, then a sort of the kept slots."""
-    return selection.first_ranks(scores.topk(k_max, dim=-1).indices, count, scores.shape[-1])
+def pytorch_top_slots(scores: torch.Tensor, rule: selection.CountRule, k_max: int, tile_max=None):
+    """The selection before the radix select: the count by PyTorch reductions, top-k over the row,
+    then a sort of the kept slots."""
+    count = rule.counts(scores)
+    return selection.first_ranks(scores.topk(k_max, dim=-1).indices, count, scores.shape[-1]), count
 
 
 def inputs(batch: int, context: int):
@@ -42,14 +45,14 @@ def main() -> None:
             times = {}
             for name, implementation in [("pytorch", pytorch_top_slots), ("radix", selection.top_slots)]:
                 speculation.top_slots = implementation  # what select_tokens calls
-                select = functools.partial(
-                    speculation.select_tokens, query, codes, valid, k_max, budget, math.inf, 8, key_scale=scale
-                )
+                rule = selection.CountRule(budget, math.inf, 8)
+                select = functools.partial(speculation.select_tokens, query, codes, valid, k_max, rule, key_scale=scale)
                 times[name] = median_ms(captured_replay(select), torch.device("cuda"), repeats=50)
             speculation.top_slots = selection.top_slots
             print(f"{batch:>5} {context:>7} {budget:>6} {times['pytorch']:>10.3f} {times['radix']:>9.3f}", flush=True)
     query, codes, scale, valid = inputs(1, 32768)
-    select = functools.partial(speculation.select_tokens, query, codes, valid, 6554, 0.2, math.inf, 8, key_scale=scale)
+    rule = selection.CountRule(0.2, math.inf, 8)
+    select = functools.partial(speculation.select_tokens, query, codes, valid, 6554, rule, key_scale=scale)
     replay = captured_replay(select)
     for _ in range(5):
         replay()
