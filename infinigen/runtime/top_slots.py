@@ -244,8 +244,7 @@ def _radix_top_slots(
     batch, heads, n = scores.shape
     rows, chunks = batch * heads, math.ceil(n / CHUNK)
     flat, device = scores.contiguous(), scores.device
-    if tile_max is None:
-        tile_max = flat.amax(dim=-1, keepdim=True).view(rows, 1)
+    tile_max = flat.amax(dim=-1).view(rows, 1) if tile_max is None else tile_max.contiguous()
     tiles = tile_max.shape[-1]
     tallies = torch.empty(rows, 2, chunks, dtype=torch.int32, device=device)
     histograms = torch.empty(PASSES, rows, chunks, 1 << DIGIT_BITS, dtype=torch.int32, device=device)
@@ -260,7 +259,7 @@ def _radix_top_slots(
     for done in range(PASSES):
         _histogram_kernel[grid](
             flat,
-            tile_max.contiguous(),
+            tile_max,
             tallies,
             histograms,
             n,
