@@ -63,27 +63,32 @@ if triton is not None:
         slot_stride,
         group: tl.constexpr,
         channels: tl.constexpr,
-        channels_pow2: tl.constexpr,
+        width: tl.constexpr,  # bytes per token: channels, or channels / 2 when packed
+        width_pow2: tl.constexpr,
         packed: tl.constexpr,  # two 4-bit codes a byte
         tokens: tl.constexpr,
     ):
         row = tl.program_id(0)
         t = tl.program_id(1) * tokens + tl.arange(0, tokens)
-        c = tl.arange(0, channels_pow2)
+        j = tl.arange(0, width_pow2)
         live = t < n
-        mask = live[:, None] & (c < channels)[None, :]
-        if packed:
-            raw = tl.load(codes + row * codes_stride + t[:, None] * (channels // 2) + (c // 2)[None, :], mask=mask)
-            nibble = (raw.to(tl.int32) >> ((c % 2) * 4)[None, :]) & 0xF
-            keys = ((nibble ^ 8) - 8).to(tl.float32)  # (tokens, channels_pow2)
-        else:
-            keys = tl.load(codes + row * codes_stride + t[:, None] * channels + c[None, :], mask=mask, other=0)
-            keys = keys.to(tl.float32)
-        keys = tl.where(mask, keys, 0.0)
+        mask = live[:, None] & (j < width)[None, :]
+        # each token's bytes once, coalesced; masked bytes read as 0, whose codes are 0
+        raw = tl.load(codes + row * codes_stride + t[:, None] * width + j[None, :], mask=mask, other=0).to(tl.int32)
         best = tl.full((tokens,), -float("inf"), tl.float32)
-        for g in tl.static_range(group):
-            q = tl.load(query + (row * group + g) * channels + c, mask=c < channels, other=0).to(tl.float32)
-            best = tl.maximum(best, tl.sum(keys * q[None, :], axis=1))
+        if packed:  # channel 2j in the low nibble of byte j, 2j + 1 in the high one
+            low = (((raw & 0xF) ^ 8) - 8).to(tl.float32)
+            high = ((((raw >> 4) & 0xF) ^ 8) - 8).to(tl.float32)
+            for g in tl.static_range(group):
+                query_row = query + (row * group + g) * channels
+                even = tl.load(query_row + 2 * j, mask=j < width, other=0).to(tl.float32)
+                odd = tl.load(query_row + 2 * j + 1, mask=j < width, other=0).to(tl.float32)
+                best = tl.maximum(best, tl.sum(low * even[None, :] + high * odd[None, :], axis=1))
+        else:
+            keys = raw.to(tl.float32)
+            for g in tl.static_range(group):
+                q = tl.load(query + (row * group + g) * channels + j, mask=j < width, other=0).to(tl.float32)
+                best = tl.maximum(best, tl.sum(keys * q[None, :], axis=1))
         factor = tl.load(scale + row * slot_stride + t, mask=live, other=0).to(tl.float32)
         keep = tl.load(valid + row * slot_stride + t, mask=live, other=0) != 0
         scores = tl.where(keep, best * factor, -float("inf"))
@@ -201,7 +206,8 @@ def fused_group_scores(
         valid.stride(1),
         group=queries.shape[1] // kv_heads,
         channels=channels,
-        channels_pow2=triton.next_power_of_2(channels),
+        width=width,
+        width_pow2=triton.next_power_of_2(width),
         packed=codes.dtype == torch.uint8,
         tokens=TOKENS_PER_PROGRAM,
     )
