@@ -162,7 +162,7 @@ def check_rotated_partial_query(device: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from infinigen.architectures import model_spec
-    from infinigen.runtime.speculation import rotated_partial_query, rotated_query
+    from infinigen.runtime.speculation import projected_query, rotated_partial_query, rotated_query
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1)
@@ -174,7 +174,8 @@ def check_rotated_partial_query(device: str) -> None:
     rope = model.model.rotary_emb(x, positions)
     projection = torch.randn(spec.n_heads, spec.head_dim, 6, device=device)
     expected = torch.einsum("bhd,hdr->bhr", rotated_query(attention, spec, x[:, 0], rope), projection)
-    torch.testing.assert_close(rotated_partial_query(attention, spec, x[:, 0], rope, projection), expected)
+    fused = rotated_partial_query(projected_query(attention, spec, x[:, 0]), rope, projection)
+    torch.testing.assert_close(fused, expected)
 
 
 @pytest.mark.skipif(scoring.triton is None, reason="triton is not installed")

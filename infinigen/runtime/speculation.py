@@ -24,12 +24,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def projected_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
+    """A layer's query for one token before RoPE (q projection, q norm where the model has one):
+    attention input (B, hidden) -> (B, heads, d)."""
+    q = attention.q_proj(x).view(x.shape[0], spec.n_heads, spec.head_dim)
+    return attention.q_norm(q) if hasattr(attention, "q_norm") else q
+
+
 def rotated_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope) -> torch.Tensor:
     """A layer's query for one token, as its attention computes it (RoPE models, unscaled):
     attention input (B, hidden) -> (B, heads, d)."""
-    q = attention.q_proj(x).view(x.shape[0], spec.n_heads, spec.head_dim)
-    if hasattr(attention, "q_norm"):
-        q = attention.q_norm(q)
+    q = projected_query(attention, spec, x)
     cos, sin = (t[:, -1, None, :] for t in rope)  # (B or 1, 1, d)
     return q * cos + rotate_half(q) * sin
 
@@ -76,33 +81,30 @@ class LayerSpeculator(nn.Module):
         """Attention input of the previous layer (B, hidden) -> (B, heads, r)."""
         if not self.spec.rope:
             return torch.einsum("bx,hrx->bhr", x, self.query_weight) + self.query_bias
-        if triton is not None and x.device.type == "cuda" and self.spec.head_dim & (self.spec.head_dim - 1) == 0:
-            return rotated_partial_query(self.attention, self.spec, x, rope, self.query_projection)
+        head_dim = self.spec.head_dim
+        if triton is not None and x.device.type == "cuda" and head_dim & (head_dim - 1) == 0:
+            return rotated_partial_query(projected_query(self.attention, self.spec, x), rope, self.query_projection)
         q = rotated_query(self.attention, self.spec, x, rope)
         return torch.einsum("bhd,hdr->bhr", q, self.query_projection)
 
 
-def rotated_partial_query(
-    attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope, projection: torch.Tensor
-) -> torch.Tensor:
-    """``rotated_query(...) @ projection`` (B, heads, r), the rotation and the projection in one
-    kernel (PyTorch: seven per layer and step). The same values up to float32 rounding."""
-    q = attention.q_proj(x).view(x.shape[0], spec.n_heads, spec.head_dim)
-    if hasattr(attention, "q_norm"):
-        q = attention.q_norm(q)
+def rotated_partial_query(q: torch.Tensor, rope, projection: torch.Tensor) -> torch.Tensor:
+    """q (B, heads, d) before RoPE -> ``RoPE(q) @ projection`` (B, heads, r) in one kernel (PyTorch:
+    seven per layer and step), d a power of two; the same values up to float32 rounding."""
+    batch, heads, head_dim = q.shape
     cos, sin = (t[:, -1] for t in rope)  # (B or 1, d)
     channels = projection.shape[-1]
-    out = torch.empty(x.shape[0], spec.n_heads, channels, dtype=q.dtype, device=q.device)
-    _rotated_partial_query_kernel[(x.shape[0] * spec.n_heads,)](
+    out = torch.empty(batch, heads, channels, dtype=q.dtype, device=q.device)
+    _rotated_partial_query_kernel[(batch * heads,)](
         q.contiguous(),
         cos,
         sin,
         projection,
         out,
-        spec.n_heads,
+        heads,
         cos.stride(0) if cos.shape[0] > 1 else 0,
         sin.stride(0) if sin.shape[0] > 1 else 0,
-        head_dim=spec.head_dim,
+        head_dim=head_dim,
         channels=channels,
         channels_pow2=triton.next_power_of_2(channels),
     )
