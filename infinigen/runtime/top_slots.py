@@ -4,7 +4,8 @@
 says for its batch row, ascending (the order the gather reads the pool in). PyTorch needs a
 top-k over the whole row and a sort of the kept slots; at 20% of 32K tokens both sort thousands of
 elements per row (~150 us of a layer's ~300 us selection, in an H200 profile), and the count
-itself takes a dozen small reductions and element-wise kernels. On CUDA six kernels do all of it:
+itself takes a dozen small reductions and element-wise kernels. On CUDA six kernels and a fill do
+all of it:
 
 - the first radix pass tallies, per chunk of a row, its finite scores and those within ``alpha`` of
   the row's best (from the scoring kernel's per-tile maxima), which give every later kernel the
