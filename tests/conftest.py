@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -23,6 +28,7 @@ from infinigen.models import LoadedModel, ModelSource, load_model
 from infinigen.prepare.calibration import bundled_text
 
 ARCHITECTURES = ("opt", "llama", "mistral", "qwen2", "qwen3")
+ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 VOCAB = 512
 
@@ -93,3 +99,13 @@ def smollm2_artifact(smollm2):
     from infinigen.prepare import prepare_artifact
 
     return prepare_artifact(smollm2, tokens=1024)
+
+
+def run_in_interpreter(script: str, **env: str) -> None:
+    """Run ``script`` under Triton's CPU interpreter (TRITON_INTERPRET=1; tests/ and the repository
+    importable, ``env`` added) and check that it printed ``ok``: how CI, without a GPU, runs the
+    same checks the CUDA tests run on the compiled kernels."""
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
+    variables = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, **env)
+    result = subprocess.run([sys.executable, "-c", script], env=variables, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

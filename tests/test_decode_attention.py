@@ -3,13 +3,9 @@ plain softmax attention: grouped heads, strided keys, a broadcast mask, chunks w
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import run_in_interpreter
 
 from infinigen.runtime import decode_attention
 
@@ -41,11 +37,7 @@ def check(device, dtype, tolerance):
 @pytest.mark.skipif(decode_attention.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the compiled kernel is tested")
 def test_split_decode_attention_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    code = CHECK + '\ncheck("cpu", torch.float32, 1e-5)\nprint("ok")\n'
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    run_in_interpreter(CHECK + '\ncheck("cpu", torch.float32, 1e-5)\nprint("ok")\n')
 
 
 @pytest.mark.cuda

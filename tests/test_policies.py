@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import gc
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, run_in_interpreter
 from test_runtime import greedy, padded_batch, teacher_forced_argmax, tiny_setup
 
 from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
@@ -149,12 +145,7 @@ print("ok")
 def test_fused_scores_in_interpreter():
     """The Triton kernel (run by Triton's CPU interpreter) scores 8- and 4-bit codes in slices of
     capacity-sized buffers as the PyTorch path does, -inf where invalid."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]))
-    result = subprocess.run(
-        [sys.executable, "-c", FUSED_SCORES_CHECK], env=env, cwd=root, capture_output=True, text=True
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    run_in_interpreter(FUSED_SCORES_CHECK)
 
 
 def check_rotated_partial_query(device: str) -> None:
@@ -181,11 +172,9 @@ def check_rotated_partial_query(device: str) -> None:
 @pytest.mark.skipif(scoring.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the compiled kernel is tested")
 def test_rotated_partial_query_in_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]))
-    script = "from test_policies import check_rotated_partial_query\ncheck_rotated_partial_query('cpu')\nprint('ok')"
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    run_in_interpreter(
+        "from test_policies import check_rotated_partial_query\ncheck_rotated_partial_query('cpu')\nprint('ok')"
+    )
 
 
 @pytest.mark.cuda
@@ -225,12 +214,8 @@ def check_store_token_codes(device: str, dtype: torch.dtype) -> None:
 @pytest.mark.skipif(scoring.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the compiled kernel is tested")
 def test_store_token_codes_in_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]))
     script = "import torch\nfrom test_policies import check_store_token_codes\n"
-    script += "check_store_token_codes('cpu', torch.float32)\nprint('ok')"
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    run_in_interpreter(script + "check_store_token_codes('cpu', torch.float32)\nprint('ok')")
 
 
 @pytest.mark.cuda

@@ -4,13 +4,10 @@ and by the radix-select kernels (Triton's CPU interpreter here, compiled on CUDA
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_in_interpreter
 
 from infinigen.runtime import top_slots as module
 from infinigen.runtime.top_slots import CountRule, top_slots, truncated
@@ -99,10 +96,7 @@ def test_radix_select_in_interpreter():
         "from test_top_slots import check, with_tile_maxima\nfrom infinigen.runtime.top_slots import _radix_top_slots\n"
     )
     script += "check(_radix_top_slots, 'cpu')\ncheck(with_tile_maxima(_radix_top_slots), 'cpu')\nprint('ok')"
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]))
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    run_in_interpreter(script)
 
 
 @pytest.mark.cuda

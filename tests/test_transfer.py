@@ -3,13 +3,9 @@ very kernels the GPU runs) against the plain PyTorch path. On CUDA the runtime t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import run_in_interpreter
 
 from infinigen.runtime import transfer
 from infinigen.runtime.pool import KVPool
@@ -53,10 +49,7 @@ print("ok")
 @pytest.mark.skipif(transfer.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernels")
 def test_triton_kernels_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", INFINIGEN_GATHER_PROGRAMS="4")
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=root, capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    run_in_interpreter(CHECK, INFINIGEN_GATHER_PROGRAMS="4")
 
 
 def test_torch_gather_and_scatter_across_blocks():
