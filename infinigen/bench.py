@@ -130,7 +130,7 @@ class BenchCase:
     budget: float = 0.2
     alpha: float | None = math.inf  # random weights: the budget fixes the count
     # step: whole decode steps as CUDA graphs (``infinigen.decode``); selection: transformers' own
-    # loop, each capturable selection a CUDA graph (plain ``model.generate``); off: no graphs
+    # loop, each layer's selection a CUDA graph (plain ``model.generate``); off: no graphs
     graphs: str = "step"
     lookahead_from: str = "input"
     partial_key_bits: int = RuntimeConfig.partial_key_bits
@@ -396,7 +396,7 @@ def _speculate(x, query_projection, partial_keys, key_scale, valid, budget: floa
 
 
 def captured_replay(fn):
-    """``fn`` as a CUDA graph replay, as the runtime runs a capturable policy's selection."""
+    """``fn`` as a CUDA graph replay, as the runtime runs a layer's selection."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

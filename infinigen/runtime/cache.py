@@ -114,15 +114,13 @@ class InfinigenCache(Cache):
         return buffer[:numel].view(shape)
 
     def captures(self, layer: OffloadedLayer) -> bool:
-        """Whether ``layer``'s selection runs as its own CUDA graph: a capturable policy on CUDA, with an
+        """Whether ``layer``'s selection runs as its own CUDA graph: on CUDA, with an
         unlimited pool (eviction bookkeeping counts steps on the host), under transformers' own loop
         (a ``StepGraph`` captures whole steps instead)."""
         return not self.driven and self._capturable(layer)
 
     def _capturable(self, layer: OffloadedLayer) -> bool:
-        return (
-            self.config.cuda_graphs and self.stream is not None and layer.policy.capturable and layer.max_tokens is None
-        )
+        return self.config.cuda_graphs and self.stream is not None and layer.max_tokens is None
 
     # --- decode steps --------------------------------------------------------------------------
 
@@ -134,8 +132,8 @@ class InfinigenCache(Cache):
 
     def step_signature(self) -> tuple | None:
         """What a CUDA graph of the next decode step depends on (the buffers' capacities), or None
-        where the step cannot be captured: a buffer grows in it, or CPU, graphs off, an uncapturable
-        policy, a limited pool, a diagnostic that needs the host at every step."""
+        where the step cannot be captured: a buffer grows in it, or CPU, graphs off, a limited pool, a
+        diagnostic that needs the host at every step."""
         capturable = (
             self.stream is not None
             and self.config.cuda_graphs

@@ -24,7 +24,7 @@ class RuntimeConfig:
     cpu_pool_gb: float | None = None  # limit of the CPU KV pool; None: no limit
     eviction: str = "counter"  # what a full pool overwrites: counter (paper) | fifo | lru
     block_tokens: int = 1024  # the CPU pool grows by blocks of this many tokens
-    cuda_graphs: bool = True  # on CUDA, replay capturable policies' selection from CUDA graphs
+    cuda_graphs: bool = True  # on CUDA, replay decode steps (or each layer's selection) from CUDA graphs
     # What a one-layer-ahead selection for layer i reads: "input", the residual stream entering layer
     # i-1 (the paper; its transfer overlaps all of layer i-1), or "attention", the residual after layer
     # i-1's attention (closer to layer i's input; the transfer overlaps only layer i-1's MLP).

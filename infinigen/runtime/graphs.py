@@ -4,7 +4,7 @@ that ``infinigen.runtime.decode.StepGraph`` uses for whole decode steps.
 A policy's selection is a few dozen small kernels per layer and step; launched one at a time from
 Python they cost more host time than the GPU spends on them, and the whole decode step becomes
 host-bound (measured on an H200: ~80 launches per offloaded layer, the step as long as its
-enqueue). A capturable policy's ``select`` reads only per-slot buffers sized by the layer's
+enqueue). A policy's ``select`` reads only per-slot buffers sized by the layer's
 capacity, so its shapes and buffer addresses stay fixed until the capacity grows (once per pool
 block): it is captured once per capacity and replayed as one launch.
 """
