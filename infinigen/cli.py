@@ -863,7 +863,8 @@ def tasks(
                     advance=functools.partial(bar.advance, scoring),
                     **settings,
                 )
-                print(json.dumps({**settings, "task": name, **results[name]}), file=sys.stderr, flush=True)
+                summary = {key: value for key, value in results[name].items() if key != "hits"}  # hits: in --json
+                print(json.dumps({**settings, "task": name, **summary}), file=sys.stderr, flush=True)
             rows.append({**settings, "tasks": results, "average": average(results)})
     report = {
         "model": loaded.source.model_id,

@@ -219,10 +219,12 @@ def task_accuracy(
     """acc (highest log-likelihood) and acc_norm (highest log-likelihood per character of the choice)
     over the first ``limit`` examples, each with ``shots`` demonstrations, ``batch`` examples scored
     per cache; ``settings`` are ``RuntimeConfig`` fields. ``advance(n)`` is called after each group of
-    n examples. ``fraction_fetched`` is the mean over groups."""
+    n examples. ``fraction_fetched`` is the mean over groups. ``hits``: one character per example,
+    1 where acc counted it correct, so that two policies can be compared example by example (paired
+    differences are far less noisy than differences of accuracies)."""
     if batch < 1:
         raise InfinigenError(f"batch must be >= 1, got {batch}")
-    correct = correct_norm = 0
+    hits, correct_norm = [], 0
     fractions: list[float] = []
     count = min(limit, len(examples))
     for start in range(0, count, batch):
@@ -230,15 +232,16 @@ def task_accuracy(
         group_scores, fetched = choice_logprobs(model, tokenizer, artifact, group, settings)
         fractions.append(fetched)
         for example, scores in zip(group, group_scores, strict=True):
-            correct += _argmax(scores) == example.label
+            hits.append("1" if _argmax(scores) == example.label else "0")
             per_char = [s / len(c) for s, c in zip(scores, example.choices, strict=True)]
             correct_norm += _argmax(per_char) == example.label
         advance(len(group))
     return {
-        "acc": round(correct / count, 4),
+        "acc": round(hits.count("1") / count, 4),
         "acc_norm": round(correct_norm / count, 4),
         "examples": count,
         "fraction_fetched": round(sum(fractions) / len(fractions), 4),
+        "hits": "".join(hits),
     }
 
 

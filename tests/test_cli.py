@@ -320,6 +320,8 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     ]
     toy = [r["tasks"]["toy"] for r in report["results"]]
     assert all(t["examples"] == 3 and 0 <= t["acc"] <= 1 for t in toy) and toy[0]["acc"] == toy[2]["acc"]
+    assert all(len(t["hits"]) == 3 and t["hits"].count("1") / 3 == pytest.approx(t["acc"], abs=1e-4) for t in toy)
+    assert toy[0]["hits"] == toy[2]["hits"]  # dense and infinigen at budget 1: the same examples right
     assert report["results"][1]["average"]["fraction_fetched"] == toy[1]["fraction_fetched"] > 0
     assert "acc_norm" in invoke(*args.split()).stdout
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)

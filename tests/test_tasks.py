@@ -211,5 +211,5 @@ def test_smollm2_picks_the_obvious_answers(smollm2, smollm2_artifact):
     report = task_accuracy(
         smollm2.model, smollm2.tokenizer, smollm2_artifact, examples, shots=1, limit=3, seed=0, **settings
     )
-    assert report["acc"] == report["acc_norm"] == 1.0 and report["examples"] == 3
+    assert report["acc"] == report["acc_norm"] == 1.0 and report["examples"] == 3 and report["hits"] == "111"
     assert 0 < report["fraction_fetched"] <= 1
