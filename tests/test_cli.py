@@ -322,8 +322,13 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     assert all(t["examples"] == 3 and 0 <= t["acc"] <= 1 for t in toy) and toy[0]["acc"] == toy[2]["acc"]
     assert all(len(t["hits"]) == 3 and t["hits"].count("1") / 3 == pytest.approx(t["acc"], abs=1e-4) for t in toy)
     assert toy[0]["hits"] == toy[2]["hits"]  # dense and infinigen at budget 1: the same examples right
+    assert "paired" not in report["results"][0]  # the first row is the reference of the others
+    same = report["results"][2]["paired"]
+    assert same["reference"] == {"policy": "dense", "budget": 1.0} and same["tasks"]["toy"]["difference"] == 0
+    assert same["all_examples"] == {"difference": 0.0, "standard_error": 0.0, "better": 0, "worse": 0}
     assert report["results"][1]["average"]["fraction_fetched"] == toy[1]["fraction_fetched"] > 0
-    assert "acc_norm" in invoke(*args.split()).stdout
+    table = invoke(*args.split()).stdout
+    assert "Δ acc" in table and "+0.00 ±" in table  # infinigen at budget 1 against dense (80 columns wrap)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     missing = invoke(*f"eval tasks {folder} --tasks copa --device cpu".split())
     assert missing.exit_code == 2 and "pip install" in missing.output and "Traceback" not in missing.output

@@ -213,3 +213,24 @@ def test_smollm2_picks_the_obvious_answers(smollm2, smollm2_artifact):
     )
     assert report["acc"] == report["acc_norm"] == 1.0 and report["examples"] == 3 and report["hits"] == "111"
     assert 0 < report["fraction_fetched"] <= 1
+
+
+def test_paired_difference_by_hand():
+    from infinigen.tasks import paired_against, paired_difference
+
+    # differences 0, +1, -1, 0: mean 0, sample variance 2/3, standard error sqrt(2/3 / 4)
+    assert paired_difference("1100", "1010") == {
+        "difference": 0.0,
+        "standard_error": pytest.approx(100 * math.sqrt(2 / 3 / 4)),
+        "better": 1,
+        "worse": 1,
+    }
+    assert paired_difference("111", "011")["standard_error"] == pytest.approx(100 / 3)  # variance 1/3, n 3
+    ours, reference = {"a": {"hits": "1100"}, "b": {"hits": "111"}}, {"a": {"hits": "1010"}, "b": {"hits": "011"}}
+    paired = paired_against(ours, reference)
+    assert paired["tasks"]["b"]["difference"] == 33.33
+    assert paired["all_examples"]["difference"] == 14.29  # 1 of 7 pooled examples gained
+    combined = round(100 * math.sqrt(1 / 6 + 1 / 9) / 2, 2)  # the two tasks' variances of the mean
+    assert paired["mean_of_tasks"] == {"difference": 16.67, "standard_error": combined}
+    with pytest.raises(InfinigenError, match="same examples, got 3 and 2"):
+        paired_difference("101", "10")
