@@ -306,13 +306,17 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
 @torch.no_grad()
 def breakdown(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase) -> dict:
     """Where an offloaded decode step's time goes: the step as is, the same step with the row moves
-    skipped (compute only), and one step's row moves replayed back to back (transfer only)."""
+    skipped (compute only), one step's row moves replayed back to back (transfer only), and the
+    step refetching each layer's previous selection instead of selecting (speculation included):
+    the selection's share of the step is what that saves."""
     device = next(model.parameters()).device
     cache = _make_cache(model, artifact, case)
     decoder = _Decoder(model, cache, case)
     decoder.prefill_seconds()
     full_step = decoder.step_seconds() * 1e3
-    cache.move_rows = False
+    cache.select_rows = False
+    without_selection = decoder.step_seconds() * 1e3
+    cache.select_rows, cache.move_rows = True, False
     compute_only = decoder.step_seconds() * 1e3
     cache.move_rows, cache.kept_gathers = True, []
     decoder.forward(decoder.token)
@@ -330,6 +334,8 @@ def breakdown(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase
         "compute_only_ms": round(compute_only, 2),
         "transfer_only_ms": round(transfer_only, 2),
         "step_over_max": round(full_step / max(compute_only, transfer_only), 3),
+        "without_selection_ms": round(without_selection, 2),
+        "selection_share": round(1 - without_selection / full_step, 3),
     }
 
 

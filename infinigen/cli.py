@@ -298,7 +298,7 @@ def bench(
     dtype: Annotated[str, typer.Option(help="Model dtype.")] = "bfloat16",
     device: Annotated[str | None, typer.Option(help="cpu | cuda[:N] (default: cuda if present).")] = None,
     breakdown: Annotated[
-        bool, typer.Option(help="Also split each offloaded policy's step into compute-only and transfer-only time.")
+        bool, typer.Option(help="Also time each offloaded step compute-only, transfer-only, without selecting.")
     ] = False,
     micro: Annotated[
         bool,
@@ -461,6 +461,7 @@ def _print_bench(report: dict) -> None:
     if report["breakdown"]:
         columns = {"policy": "policy", "budget": "budget", "step ms": "step_ms", "compute-only ms": "compute_only_ms"}
         columns |= {"transfer-only ms": "transfer_only_ms", "step / max": "step_over_max"}
+        columns |= {"no-selection ms": "without_selection_ms", "selection share": "selection_share"}
         _print_rows("where the step goes", columns, report["breakdown"])
 
 

@@ -206,6 +206,7 @@ def test_bench_tiny_on_cpu():
     splits = [(b["policy"], b["budget"]) for b in report["breakdown"]]
     assert splits == [("full", 1.0), ("infinigen", 0.2), ("infinigen", 0.5)]
     assert all(b["compute_only_ms"] > 0 and b["transfer_only_ms"] > 0 for b in report["breakdown"])
+    assert all(b["without_selection_ms"] > 0 and b["selection_share"] < 1 for b in report["breakdown"])
     rows = {(r["policy"], r["budget"]): r for r in report["results"]}
     assert set(rows) == {("dense", None), ("full", None), ("infinigen", 0.2), ("infinigen", 0.5)}
     assert rows[("full", None)]["fraction_fetched"] == 1.0

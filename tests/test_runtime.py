@@ -313,3 +313,26 @@ def test_oracle_selects_the_exact_top_k(tokenizer, arch, monkeypatch):
     for head in range(k.shape[0]):
         expected = set(per_kv_head[head].topk(count).indices.tolist())
         assert set(selection.indices[0, head, :count].tolist()) == expected
+
+
+def test_without_selection_refetches_the_previous_selection(tokenizer, device, monkeypatch):
+    """The ``--breakdown`` diagnostic ``select_rows = False``: no policy selection runs, and every
+    offloaded layer fetches the rows it selected at the step before."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    cache = cache_for(model, artifact, budget=0.3, alpha=1e9)
+    ids = torch.randint(3, 512, (2, 42), generator=torch.Generator().manual_seed(5)).to(device)
+    name = cache_argument(model)
+    fetched = []
+    real_fetch = cache.fetch
+    monkeypatch.setattr(cache, "fetch", lambda layer, *args: fetched.append(args[0]) or real_fetch(layer, *args))
+    with torch.no_grad():
+        model(ids[:, :40], **{name: cache})
+        model(ids[:, 40:41], **{name: cache})
+        before = [selection.indices.clone() for selection in fetched]
+        fetched.clear()
+        cache.select_rows = False
+        for layer in cache.offloaded:
+            monkeypatch.setattr(layer, "select", None)  # a selection would fail
+        model(ids[:, 41:], **{name: cache})
+    assert len(before) == len(fetched) == len(cache.offloaded) > 0
+    assert all(torch.equal(a, b.indices) for a, b in zip(before, fetched, strict=True))

@@ -72,9 +72,11 @@ class InfinigenCache(Cache):
         self.driven = False  # a StepGraph runs the decode steps (and begins each one itself)
         self.capturing = False  # a decode step is being captured: no host work that a replay would skip
         self.replayed_steps = 0  # decode steps run as graph replays (their prefetch waits are not timed)
-        # Diagnostics for `infinigen bench --breakdown`: skip the row moves (compute only), or keep
-        # each step's gathers to replay them alone (transfer only).
+        # Diagnostics for `infinigen bench --breakdown`: skip the row moves (compute only), refetch
+        # each layer's previous selection instead of selecting anew (what selecting costs, by
+        # difference), or keep each step's gathers to replay them alone (transfer only).
         self.move_rows = True
+        self.select_rows = True
         self.kept_gathers: list[tuple] | None = None
         # Diagnostics for `infinigen eval`: called as probe(layer, query (B, H, 1, d)) at each decode
         # attention of an offloaded layer.
@@ -142,7 +144,9 @@ class InfinigenCache(Cache):
             and self.decode_probe is None
             and self.kept_gathers is None
         )
-        return (tuple(layer.capacity for layer in self.layers), self.move_rows) if capturable else None
+        return (
+            (tuple(layer.capacity for layer in self.layers), self.move_rows, self.select_rows) if capturable else None
+        )
 
     def cached_tokens(self) -> torch.Tensor | int:
         """Tokens cached per batch row (``OffloadedLayer.cached_tokens``). In a capturable step every

@@ -137,6 +137,7 @@ class OffloadedLayer(_Layer):
         self.attention_slots: torch.Tensor | None = None  # (B, kv_heads, K + 1) their slots
         self.decoding: Fetched | None = None  # what the current decode step attends over
         self.selection_graph: SelectionGraph | None = None  # CUDA: the selection, captured
+        self.last_selection: tuple[Selection, torch.Tensor] | None = None  # the latest step's, with its fetch mask
         self.padded = False  # some batch row has padding slots (marked invalid)
         self.captured_moved: torch.Tensor | None = None  # (B,) rows per head a captured step fetches
         self.stats = LayerStats()
@@ -268,13 +269,14 @@ class OffloadedLayer(_Layer):
     def prefetch(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> None:
         """Select and start fetching the rows of the next decode step. hidden (B, hidden): the residual
         stream the selection reads (one layer ahead, or this layer's own), before ``norm``."""
-        if self.selection_graph is None and self.runtime.captures(self):
-            self.selection_graph = SelectionGraph()
-        if self.selection_graph is not None:
-            selection, valid = self.selection_graph(self, hidden, norm, rope)
-        else:
-            selection, valid = self.select(hidden, norm, rope)
-        self.fetched = self.runtime.fetch(self, selection, valid)
+        if self.runtime.select_rows or self.last_selection is None:
+            if self.selection_graph is None and self.runtime.captures(self):
+                self.selection_graph = SelectionGraph()
+            if self.selection_graph is not None:
+                self.last_selection = self.selection_graph(self, hidden, norm, rope)
+            else:
+                self.last_selection = self.select(hidden, norm, rope)
+        self.fetched = self.runtime.fetch(self, *self.last_selection)
 
     def select(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> tuple[Selection, torch.Tensor]:
         """The policy's selection and the validity of the rows it fetches (B, kv_heads, K + 1)."""
