@@ -867,8 +867,10 @@ def tasks(
                     advance=functools.partial(bar.advance, scoring),
                     **settings,
                 )
-                summary = {key: value for key, value in results[name].items() if key != "hits"}  # hits: in --json
-                print(json.dumps({**settings, "task": name, **summary}), file=sys.stderr, flush=True)
+                # progress on stderr; with --json it keeps the hits too: a run cut off by a time limit
+                # can still be compared example by example
+                shown = {key: value for key, value in results[name].items() if as_json or key != "hits"}
+                print(json.dumps({**settings, "task": name, **shown}), file=sys.stderr, flush=True)
             rows.append({**settings, "tasks": results, "average": average(results)})
     reference = rows[0]
     for row in rows[1:]:

@@ -324,6 +324,9 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     assert all(len(t["hits"]) == 3 and t["hits"].count("1") / 3 == pytest.approx(t["acc"], abs=1e-4) for t in toy)
     assert toy[0]["hits"] == toy[2]["hits"]  # dense and infinigen at budget 1: the same examples right
     assert "paired" not in report["results"][0]  # the first row is the reference of the others
+    progress = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    expected = [(r["policy"], name, r["tasks"][name]["hits"]) for r in report["results"] for name in ("toy", "other")]
+    assert [(p["policy"], p["task"], p["hits"]) for p in progress] == expected  # a cut-off run keeps them
     same = report["results"][2]["paired"]
     assert same["reference"] == {"policy": "dense", "budget": 1.0} and same["tasks"]["toy"]["difference"] == 0
     assert same["all_examples"] == {"difference": 0.0, "standard_error": 0.0, "better": 0, "worse": 0}
