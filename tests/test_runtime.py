@@ -336,3 +336,23 @@ def test_without_selection_refetches_the_previous_selection(tokenizer, device, m
         model(ids[:, 41:], **{name: cache})
     assert len(before) == len(fetched) == len(cache.offloaded) > 0
     assert all(torch.equal(a, b.indices) for a, b in zip(before, fetched, strict=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_selection_runs_beside_the_compute_stream(tokenizer, monkeypatch, cuda_graphs):
+    """A prefetch's selection runs on the selection stream, so the compute stream goes on with the
+    current layer; decoding at budget 1 stays exact (eager, and with each selection as a graph)."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cuda")
+    inputs = padded_batch([list(range(3, 20)), list(range(40, 50))], pad=1, device="cuda")
+    expected = greedy(model, inputs, DynamicCache())
+    cache = cache_for(model, artifact, cuda_graphs=cuda_graphs, **EXACT)
+    streams = []
+    for layer in cache.offloaded:
+        real_select = layer.select
+        monkeypatch.setattr(
+            layer, "select", lambda *args, real=real_select: streams.append(torch.cuda.current_stream()) or real(*args)
+        )
+    assert torch.equal(greedy(model, inputs, cache), expected)
+    assert streams and all(stream == cache.selection_stream for stream in streams)

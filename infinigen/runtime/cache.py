@@ -64,7 +64,8 @@ class InfinigenCache(Cache):
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decoding = False  # whether the running forward is a decode step (one token per row)
         self.device = next(model.parameters()).device
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # row moves
+        self.selection_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.slot_range = torch.arange(0, device=self.device)
@@ -211,9 +212,31 @@ class InfinigenCache(Cache):
         ready = self._gather(layer, indices, count, moved) if self.move_rows else None
         return Fetched(rows, valid, indices, ready, packed, layer.policy.codec)
 
+    def aside(self, prefetch: Callable[[], Fetched], inputs: tuple[torch.Tensor, ...]) -> Fetched:
+        """Run ``prefetch`` (a layer's selection and fetch) on the selection stream, after the compute
+        stream's work so far: the compute stream goes on with the current layer meanwhile and meets
+        the result at the fetch's ready event. ``inputs``: compute-stream tensors it reads. Inline
+        on CPU."""
+        side = self.selection_stream
+        if side is None:
+            return prefetch()
+        compute = torch.cuda.current_stream(self.device)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            fetched = prefetch()
+            if fetched.ready is None:  # rows not moved (--breakdown): the compute stream meets the selection
+                fetched.ready = torch.cuda.Event()
+                fetched.ready.record(side)
+        # the allocator must not hand these blocks to other work while the other stream may still read them
+        for tensor in inputs:
+            tensor.record_stream(side)
+        for tensor in (fetched.valid, fetched.indices):
+            tensor.record_stream(compute)
+        return fetched
+
     def _gather(self, layer: OffloadedLayer, indices, count, out) -> torch.cuda.Event | None:
-        """The row move itself: inline on CPU; on CUDA on the transfer stream, after the compute
-        stream's work so far, returning the event that marks its end."""
+        """The row move itself: inline on CPU; on CUDA on the transfer stream, after the current
+        stream's work so far (the selection's), returning the event that marks its end."""
         if self.stream is None:
             layer.pool.gather(indices, count, out)
             return None

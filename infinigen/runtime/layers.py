@@ -269,6 +269,9 @@ class OffloadedLayer(_Layer):
     def prefetch(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> None:
         """Select and start fetching the rows of the next decode step. hidden (B, hidden): the residual
         stream the selection reads (one layer ahead, or this layer's own), before ``norm``."""
+        self.fetched = self.runtime.aside(lambda: self._prefetched(hidden, norm, rope), (hidden, *(rope or ())))
+
+    def _prefetched(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> Fetched:
         if self.runtime.select_rows or self.last_selection is None:
             if self.selection_graph is None and self.runtime.captures(self):
                 self.selection_graph = SelectionGraph()
@@ -276,7 +279,7 @@ class OffloadedLayer(_Layer):
                 self.last_selection = self.selection_graph(self, hidden, norm, rope)
             else:
                 self.last_selection = self.select(hidden, norm, rope)
-        self.fetched = self.runtime.fetch(self, *self.last_selection)
+        return self.runtime.fetch(self, *self.last_selection)
 
     def select(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> tuple[Selection, torch.Tensor]:
         """The policy's selection and the validity of the rows it fetches (B, kv_heads, K + 1)."""
