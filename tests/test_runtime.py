@@ -340,14 +340,13 @@ def test_without_selection_refetches_the_previous_selection(tokenizer, device, m
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_selection_runs_beside_the_compute_stream(tokenizer, monkeypatch, cuda_graphs):
+def test_selection_runs_beside_the_compute_stream(tokenizer, monkeypatch):
     """A prefetch's selection runs on the selection stream, so the compute stream goes on with the
-    current layer; decoding at budget 1 stays exact (eager, and with each selection as a graph)."""
+    current layer; eager decoding at budget 1 stays exact (captured steps: the exactness tests)."""
     model, artifact = tiny_setup(tokenizer, "llama", "cuda")
     inputs = padded_batch([list(range(3, 20)), list(range(40, 50))], pad=1, device="cuda")
     expected = greedy(model, inputs, DynamicCache())
-    cache = cache_for(model, artifact, cuda_graphs=cuda_graphs, **EXACT)
+    cache = cache_for(model, artifact, cuda_graphs=False, **EXACT)
     streams = []
     for layer in cache.offloaded:
         real_select = layer.select
