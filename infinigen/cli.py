@@ -906,6 +906,62 @@ def _paired_cell(row: dict, task: str) -> str | None:
 
 
 @functools.partial(command, on=eval_app)
+def compare(
+    reports: Annotated[list[Path], typer.Argument(help="--json reports of `infinigen eval tasks` (same data).")],
+    reference: Annotated[
+        str | None, typer.Option(help="The row the others are compared with, as policy@budget (default: the first).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Policies of saved `eval tasks` reports example by example, pooled over all their examples:
+    accuracy against a reference (paired), how often each changes the reference's answer, and every
+    two policies head to head (in --json).
+
+    Example:\n
+      infinigen eval compare dense-infinigen-h2o.json int4-oracle.json --reference dense@1
+    """
+    from infinigen.tasks import compare as compare_rows
+
+    rows = []
+    for path in reports:
+        try:
+            rows += json.loads(path.read_text())["results"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InfinigenError(f"cannot read the eval tasks report {path}: {exc}") from exc
+    if len(rows) < 2 or not all(_has_hits(row) for row in rows):
+        raise InfinigenError("compare needs two or more rows of `eval tasks --json` reports with per-example hits")
+    labels = [f"{row['policy']}@{row['budget']:g}" for row in rows]
+    if reference is not None and reference not in labels:
+        raise InfinigenError(f"--reference {reference} is none of the rows: {', '.join(labels)}")
+    try:
+        report = compare_rows(rows, labels.index(reference) if reference else 0)
+    except (KeyError, ValueError, InfinigenError) as exc:
+        raise InfinigenError(f"the reports do not cover the same tasks and examples: {exc}") from exc
+    if _printed_json(report, as_json):
+        return
+    flat = [
+        {
+            **row,
+            "paired": f"{row['vs_reference']['difference']:+.2f} ± {row['vs_reference']['standard_error']:.2f}",
+            "changed": f"{row['changed']:.1f}%",
+        }
+        for row in report["rows"]
+    ]
+    columns = {"policy@budget": "row", "acc": "acc", f"Δ acc vs {report['reference']}": "paired"}
+    columns["answers changed"] = "changed"
+    title = f"{report['examples']} examples of {', '.join(report['tasks'])}; {report['reference']}: {report['acc']}"
+    _print_rows(title, columns, flat)
+
+
+def _has_hits(row: object) -> bool:
+    """Whether ``row`` is an `eval tasks` result row with per-example hits for every task."""
+    if not isinstance(row, dict) or not isinstance(row.get("budget"), int | float) or "policy" not in row:
+        return False
+    tasks = row.get("tasks")
+    return isinstance(tasks, dict) and bool(tasks) and all(isinstance(t, dict) and "hits" in t for t in tasks.values())
+
+
+@functools.partial(command, on=eval_app)
 def needle(
     text: Annotated[Path, typer.Option(help="Haystack: a book (Gutenberg headers are stripped).")],
     model: ModelArg = None,

@@ -290,3 +290,45 @@ def paired_against(results: dict[str, dict], reference: dict[str, dict]) -> dict
 
 def _rounded(paired: dict) -> dict:
     return paired | {key: round(paired[key], 2) for key in ("difference", "standard_error")}
+
+
+def changed_answers(hits: str, reference: str) -> str:
+    """One character per example: 1 where ``hits`` and ``reference`` disagree on its correctness."""
+    return "".join("1" if a != b else "0" for a, b in zip(hits, reference, strict=True))
+
+
+def compare(rows: list[dict], reference: int = 0) -> dict:
+    """Rows of ``eval tasks`` reports (the same tasks and examples) against ``rows[reference]``, all
+    examples pooled: accuracy, the paired difference, and how often the row changes the reference's
+    answer (right <-> wrong). ``pairs``: every two other rows head to head, on accuracy and on that
+    rate of changed answers (the row with fewer changes is the more faithful to the reference)."""
+    names = list(rows[reference]["tasks"])
+    hits = ["".join(row["tasks"][name]["hits"] for name in names) for row in rows]
+    base = hits[reference]
+    changed = [changed_answers(h, base) for h in hits]
+    label = [f"{row['policy']}@{row['budget']:g}" for row in rows]
+    others = [i for i in range(len(rows)) if i != reference]
+    return {
+        "reference": label[reference],
+        "tasks": names,
+        "examples": len(base),
+        "acc": round(base.count("1") / len(base), 4),
+        "rows": [
+            {
+                "row": label[i],
+                "acc": round(hits[i].count("1") / len(base), 4),
+                "vs_reference": _rounded(paired_difference(hits[i], base)),
+                "changed": round(100 * changed[i].count("1") / len(base), 2),
+            }
+            for i in others
+        ],
+        "pairs": [
+            {
+                "rows": [label[i], label[j]],
+                "acc": _rounded(paired_difference(hits[i], hits[j])),
+                "changed": _rounded(paired_difference(changed[i], changed[j])),
+            }
+            for n, i in enumerate(others)
+            for j in others[n + 1 :]
+        ],
+    }

@@ -356,3 +356,32 @@ def test_eval_needle(prepared, tmp_path):
     assert too_long.exit_code == 2 and "exceeds the model's context of 512" in too_long.output
     bad = invoke(*args.split(), "--depths", "half")
     assert bad.exit_code == 2 and "--depths takes comma-separated float values" in bad.output
+
+
+def test_eval_compare(tmp_path):
+    def report(path, *rows):
+        results = [{"policy": p, "budget": b, "tasks": {"t": {"hits": t}, "u": {"hits": u}}} for p, b, t, u in rows]
+        path.write_text(json.dumps({"results": results}))
+        return str(path)
+
+    first = report(tmp_path / "a.json", ("dense", 1.0, "1100", "10"), ("infinigen", 0.2, "1010", "11"))
+    second = report(tmp_path / "b.json", ("h2o", 0.2, "0100", "10"))
+    result = invoke("eval", "compare", first, second, "--json")
+    assert result.exit_code == 0, result.output
+    compared = json.loads(result.stdout)
+    assert compared["reference"] == "dense@1" and compared["examples"] == 6 and compared["acc"] == 0.5
+    infinigen, h2o = compared["rows"]
+    assert infinigen["vs_reference"]["difference"] == 16.67 and infinigen["changed"] == 50.0  # 3 of 6 changed
+    assert h2o["vs_reference"]["difference"] == -16.67 and h2o["changed"] == 16.67
+    (pair,) = compared["pairs"]
+    assert pair["rows"] == ["infinigen@0.2", "h2o@0.2"]
+    assert pair["acc"]["difference"] == 33.33 and pair["changed"]["difference"] == 33.33
+    table = invoke("eval", "compare", first, second, "--reference", "h2o@0.2").stdout
+    assert "dense@1" in table and "answers" in table
+    unknown = invoke("eval", "compare", first, "--reference", "quest@0.2")
+    assert unknown.exit_code == 2 and "none of the rows: dense@1, infinigen@0.2" in unknown.output
+    short = report(tmp_path / "c.json", ("int4", 1.0, "110", "10"))
+    assert "do not cover the same tasks and examples" in invoke("eval", "compare", first, short).output
+    (tmp_path / "bench.json").write_text(json.dumps({"shape": "x", "results": [{"policy": "full"}]}))
+    other = invoke("eval", "compare", first, str(tmp_path / "bench.json"))
+    assert other.exit_code == 2 and "per-example hits" in other.output and "Traceback" not in other.output
