@@ -467,17 +467,24 @@ def _print_bench(report: dict) -> None:
 
 @command
 def plot(
-    report: Annotated[Path, typer.Argument(help="A --json report of `infinigen bench` or `infinigen eval ppl`.")],
+    report: Annotated[Path, typer.Argument(help="A --json report of `infinigen bench`, `eval ppl` or `eval tasks`.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write.")],
 ) -> None:
-    """Plot a saved report: bench -> tokens/s vs context and batch; eval ppl -> perplexity vs KV fetched."""
-    from infinigen.plots import plot_accuracy, plot_bench
+    """Plot a saved report: bench -> tokens/s vs context and batch; eval ppl -> perplexity vs KV fetched;
+    eval tasks -> mean accuracy of the tasks vs KV fetched."""
+    from infinigen.plots import plot_accuracy, plot_bench, plot_tasks
 
     try:
         data = json.loads(report.read_text())
     except (OSError, ValueError) as exc:
         raise InfinigenError(f"cannot read the report {report}: {exc}") from exc
-    (plot_bench if "shape" in data else plot_accuracy)(data, out)
+    rows = data.get("results") if isinstance(data, dict) else None
+    if not rows or not isinstance(rows, list):
+        raise InfinigenError(f"{report} is not a report of `infinigen bench` or `infinigen eval`")
+    if "shape" in data:
+        plot_bench(data, out)
+    else:
+        (plot_tasks if "tasks" in rows[0] else plot_accuracy)(data, out)
     console.print(f"wrote {out}")
 
 

