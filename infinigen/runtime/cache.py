@@ -64,8 +64,11 @@ class InfinigenCache(Cache):
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decoding = False  # whether the running forward is a decode step (one token per row)
         self.device = next(model.parameters()).device
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # row moves
-        self.selection_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Row moves and the selections they wait for run at a higher priority than the compute: when
+        # both have blocks waiting for SMs, theirs are dispatched first (the transfer is the long pole).
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None  # row moves
+        self.selection_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.slot_range = torch.arange(0, device=self.device)
