@@ -224,9 +224,9 @@ def task_accuracy(
     over the first ``limit`` examples, each with ``shots`` demonstrations, ``batch`` examples scored
     per cache; ``settings`` are ``RuntimeConfig`` fields. ``advance(n)`` is called after each group of
     n examples. ``fraction_fetched`` and ``fraction_bytes`` (16-bit equivalent) are means over
-    groups. ``hits``: one character per example,
-    1 where acc counted it correct, so that two policies can be compared example by example (paired
-    differences are far less noisy than differences of accuracies)."""
+    groups. ``hits``: one character per example, 1 where acc counted it correct, so that two
+    policies can be compared example by example (paired differences are far less noisy than
+    differences of accuracies)."""
     if batch < 1:
         raise InfinigenError(f"batch must be >= 1, got {batch}")
     hits, correct_norm = [], 0
