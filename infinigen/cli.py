@@ -900,7 +900,8 @@ def tasks(
     ]
     columns = {k: k for k in ("policy", "budget", "task", "acc", "acc_norm", "examples")}
     columns["fraction fetched"] = "fraction_fetched"
-    columns[f"Δ acc vs {rows[0]['policy']}"] = "paired"  # points, paired
+    if len(rows) > 1:
+        columns[f"Δ acc vs {rows[0]['policy']}"] = "paired"  # points, paired
     _print_rows(f"{report['model']}: {shots}-shot, first {limit} examples per task", columns, flat)
 
 
