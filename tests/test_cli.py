@@ -340,6 +340,7 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     assert not_a_report.exit_code == 2 and "is not a report" in not_a_report.output
     table = invoke(*args.split()).stdout
     assert "Δ acc" in table and "+0.00 ±" in table  # infinigen at budget 1 against dense (80 columns wrap)
+    assert "Δ acc" not in invoke(*args.split(), "--policies", "dense").stdout  # nothing to pair with
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     missing = invoke(*f"eval tasks {folder} --tasks copa --device cpu".split())
     assert missing.exit_code == 2 and "pip install" in missing.output and "Traceback" not in missing.output
