@@ -971,14 +971,19 @@ def _has_hits(row: object) -> bool:
 
 @functools.partial(command, on=eval_app)
 def needle(
-    text: Annotated[Path, typer.Option(help="Haystack: a book (Gutenberg headers are stripped).")],
+    text: Annotated[
+        list[Path],
+        typer.Option(help="Haystack: a book (Gutenberg headers are stripped); repeat for more books, more trials."),
+    ],
     model: ModelArg = None,
     artifact: ArtifactOpt = None,
     lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths in tokens.")] = "2048,4096",
     depths: Annotated[
         str, typer.Option(help="Comma-separated needle depths: 0 at the start of the text, 1 at its end.")
     ] = "0,0.25,0.5,0.75,1",
-    trials: Annotated[int, typer.Option(help="Prompts per length and depth (each from the next passage).")] = 1,
+    trials: Annotated[
+        int, typer.Option(help="Prompts per length and depth, each from the next passage (book after book).")
+    ] = 1,
     policies: PoliciesOpt = "dense,infinigen",
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
@@ -991,7 +996,8 @@ def needle(
     """Needle in a haystack: find a secret code hidden at each depth of a long passage, through the runtime.
 
     Example:\n
-      infinigen eval needle --artifact skewed/ --text ../shared/data/pg19/10146.txt --lengths 2048 --depths 0,0.5,1
+      infinigen eval needle --artifact skewed/ --text ../shared/data/pg19/10146.txt --lengths 2048 --depths 0,0.5,1\n
+      infinigen eval needle --artifact skewed/ --text book1.txt --text book2.txt --lengths 8000 --trials 20
     """
     from infinigen.evaluate import read_text
     from infinigen.needle import ANSWER_TOKENS, needle_accuracy, needle_prompts
@@ -1006,14 +1012,22 @@ def needle(
     context = loaded.model.config.max_position_embeddings
     if max(token_lengths) + ANSWER_TOKENS > context:
         raise InfinigenError(f"--lengths {max(token_lengths)} + the answer exceeds the model's context of {context}")
-    prompts = needle_prompts(loaded.tokenizer, read_text(text), token_lengths, depth_fractions, trials)
+    books = [read_text(path) for path in text]
+    prompts = needle_prompts(loaded.tokenizer, books, token_lengths, depth_fractions, trials)
     rows = []
     with _progress(disable=as_json) as bar:
         answering = bar.add_task("prompts", total=len(all_settings) * len(prompts))
         for settings in all_settings:
-            advance = functools.partial(bar.advance, answering)
-            rows.append(needle_accuracy(loaded.model, loaded.tokenizer, checked, prompts, advance=advance, **settings))
-    report = {"model": loaded.source.model_id, "text": str(text), "trials": trials, "results": rows}
+
+            def on_answer(answered: dict, settings: dict = settings) -> None:
+                bar.advance(answering)
+                if as_json:  # each answer on stderr as it comes: a run cut off by a time limit keeps them
+                    print(json.dumps({**settings, **answered}), file=sys.stderr, flush=True)
+
+            rows.append(
+                needle_accuracy(loaded.model, loaded.tokenizer, checked, prompts, on_answer=on_answer, **settings)
+            )
+    report = {"model": loaded.source.model_id, "texts": [str(path) for path in text], "trials": trials, "results": rows}
     if _printed_json(report, as_json):
         return
     flat = [
@@ -1030,4 +1044,5 @@ def needle(
     ]
     columns = {k: k for k in ("policy", "budget", "length", *(f"depth {d:g}" for d in depth_fractions))}
     columns |= {"fraction fetched": "fraction_fetched", "overall": "overall"}
-    _print_rows(f"{report['model']}: needle in {text.name}, {trials} trial(s) per cell", columns, flat)
+    names = ", ".join(path.name for path in text)
+    _print_rows(f"{report['model']}: needle in {names}, {trials} trial(s) per cell", columns, flat)

@@ -1,7 +1,9 @@
 """Needle in a haystack through the runtime: a secret code hidden in a long book passage, asked for at the end.
 
-A prompt of ``length`` tokens is a passage of the book with the needle sentence inserted at a sentence
-boundary near a token depth (0: the start, 1: just before the question), then the question. The
+A prompt of ``length`` tokens is a passage of a book with the needle sentence inserted at a sentence
+boundary near a token depth (0: the start, 1: just before the question), then the question. Trial
+``t`` of every cell takes the ``t``-th passage: the books cut into consecutive ``length``-token
+slices, book after book, so more books give more trials. The
 passage is prefilled densely; the question is fed one token per decode step and the answer decoded
 greedily, step by step, so the needle has to be fetched back from the CPU pool to be answered.
 """
@@ -52,10 +54,10 @@ def sentence_starts(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[
 
 
 def needle_prompt(
-    tokenizer: PreTrainedTokenizerBase, book_ids: list[int], length: int, depth: float, trial: int = 0
+    tokenizer: PreTrainedTokenizerBase, text_ids: list[int], length: int, depth: float, trial: int = 0
 ) -> NeedlePrompt:
-    """The prompt of one cell and trial. Trial ``t`` takes its passage from token ``t * length`` of the
-    book (``book_ids``: the book tokenised without special tokens)."""
+    """The prompt of one cell and trial; its passage is the start of ``text_ids`` (text tokenised
+    without special tokens)."""
     if not 0 <= depth <= 1:
         raise InfinigenError(f"depths must be in [0, 1], got {depth}")
     code = secret_code(length, depth, trial)
@@ -63,10 +65,9 @@ def needle_prompt(
     needle = tokenizer(NEEDLE.format(code=code), add_special_tokens=False).input_ids
     question = tokenizer(QUESTION, add_special_tokens=False).input_ids
     passage_tokens = length - len(lead) - len(needle) - len(question)
-    start = trial * length
-    if passage_tokens < 1 or start + passage_tokens > len(book_ids):
-        raise InfinigenError(f"the text has {len(book_ids)} tokens: too few for trial {trial} at length {length}")
-    passage = book_ids[start : start + passage_tokens]
+    if passage_tokens < 1 or passage_tokens > len(text_ids):
+        raise InfinigenError(f"the text has {len(text_ids)} tokens: too few for a prompt of {length}")
+    passage = text_ids[:passage_tokens]
     target = depth * passage_tokens
     cut = min(sentence_starts(tokenizer, passage), key=lambda position: abs(position - target))
     ids = lead + passage[:cut] + needle + passage[cut:] + question
@@ -76,17 +77,25 @@ def needle_prompt(
     )
 
 
+def passages(books: list[list[int]], length: int) -> list[list[int]]:
+    """Each book's consecutive ``length``-token slices, book after book (a shorter tail is left out)."""
+    return [book[start : start + length] for book in books for start in range(0, len(book) - length + 1, length)]
+
+
 def needle_prompts(
-    tokenizer: PreTrainedTokenizerBase, text: str, lengths: list[int], depths: list[float], trials: int
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], lengths: list[int], depths: list[float], trials: int
 ) -> list[NeedlePrompt]:
-    """One prompt per length, depth and trial, from a book's text."""
-    book_ids = tokenizer(text, add_special_tokens=False).input_ids
-    return [
-        needle_prompt(tokenizer, book_ids, length, depth, trial)
-        for length in lengths
-        for depth in depths
-        for trial in range(trials)
-    ]
+    """One prompt per length, depth and trial, from books' texts; trial ``t`` is the ``t``-th passage."""
+    books = [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+    prompts = []
+    for length in lengths:
+        haystacks = passages(books, length)
+        if len(haystacks) < trials:
+            raise InfinigenError(
+                f"the text holds {len(haystacks)} passages of {length} tokens: too few for {trials} trials"
+            )
+        prompts += [needle_prompt(tokenizer, haystacks[t], length, depth, t) for depth in depths for t in range(trials)]
+    return prompts
 
 
 def answer(
@@ -118,15 +127,15 @@ def needle_accuracy(
     artifact: Artifact | None,
     prompts: list[NeedlePrompt],
     *,
-    advance: Callable[[], None] = lambda: None,
+    on_answer: Callable[[dict], None] = lambda answered: None,
     **settings,
 ) -> dict:
     """Accuracy per (length, depth) cell and overall; ``settings`` are ``RuntimeConfig`` fields.
-    ``advance`` is called after each prompt."""
+    ``on_answer`` gets each prompt's answer as it comes."""
     answers = []
     for prompt in prompts:
         answers.append(answer(model, tokenizer, artifact, prompt, settings))
-        advance()
+        on_answer(answers[-1])
     cells: dict[tuple[int, float], list[bool]] = {}
     for a in answers:
         cells.setdefault((a["length"], a["depth"]), []).append(a["correct"])

@@ -348,8 +348,9 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
 
 def test_eval_needle(prepared, tmp_path):
     folder, out = prepared("qwen3")
-    text = tmp_path / "book.txt"
+    text, other = tmp_path / "book.txt", tmp_path / "other.txt"
     text.write_text("The house was old. The street was narrow, and the walls were thin. " * 60)
+    other.write_text("A boat came in. The sea was calm and grey. " * 40)
     args = f"eval needle {folder} --artifact {out} --text {text} --device cpu"
     result = invoke(
         *args.split(), "--lengths", "96,128", "--depths", "0,1", "--budgets", "0.5", "--trials", "2", "--json"
@@ -358,6 +359,14 @@ def test_eval_needle(prepared, tmp_path):
     report = json.loads(result.stdout)
     assert [(r["policy"], r["budget"]) for r in report["results"]] == [("dense", 1.0), ("infinigen", 0.5)]
     assert all(len(r["cells"]) == 4 and len(r["answers"]) == 8 for r in report["results"])
+    streamed = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert [(a["policy"], a["trial"], a["correct"]) for a in streamed] == [
+        (r["policy"], a["trial"], a["correct"]) for r in report["results"] for a in r["answers"]
+    ]  # each answer on stderr as it comes
+    few = invoke(*args.split(), "--lengths", "128", "--depths", "0", "--trials", "9", "--policies", "dense", "--json")
+    more = invoke(*args.split(), "--text", str(other), "--lengths", "128", "--depths", "0", "--trials", "9", "--json")
+    assert few.exit_code == 2 and "too few for 9 trials" in few.output
+    assert more.exit_code == 0 and json.loads(more.stdout)["texts"] == [str(text), str(other)]
     table = " ".join(invoke(*args.split(), "--lengths", "96", "--depths", "0.5", "--policies", "full").stdout.split())
     assert "needle in" in table and "fraction fetched" in table  # words only: a long title wraps
     too_long = invoke(*args.split(), "--lengths", "600")

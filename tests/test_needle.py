@@ -17,6 +17,7 @@ from infinigen.needle import (
     needle_accuracy,
     needle_prompt,
     needle_prompts,
+    passages,
     secret_code,
 )
 from infinigen.prepare.calibration import bundled_text
@@ -32,7 +33,7 @@ def encoded(tokenizer, text: str) -> list[int]:
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_needle_is_where_the_prompt_says(tokenizer, depth):
     book = encoded(tokenizer, bundled_text())
-    prompt = needle_prompt(tokenizer, book, 300, depth, trial=1)
+    prompt = needle_prompt(tokenizer, book[300:600], 300, depth, trial=1)
     needle, question = encoded(tokenizer, NEEDLE.format(code=prompt.code)), encoded(tokenizer, QUESTION)
     assert len(prompt.ids) == 300 and prompt.ids[prompt.needle_start : prompt.needle_end] == needle
     assert prompt.ids[prompt.question_start :] == question and prompt.question_start == 300 - len(question)
@@ -49,12 +50,26 @@ def test_needle_is_where_the_prompt_says(tokenizer, depth):
 
 def test_needle_text_with_a_real_tokenizer(smollm2):
     tokenizer = smollm2.tokenizer
-    prompts = needle_prompts(tokenizer, bundled_text(), [512], [0.5], trials=1)
+    prompts = needle_prompts(tokenizer, [bundled_text()], [512], [0.5], trials=1)
     (prompt,) = prompts
     assert tokenizer.decode(prompt.ids[prompt.needle_start : prompt.needle_end]) == NEEDLE.format(code=prompt.code)
     assert tokenizer.decode(prompt.ids[prompt.question_start :]) == QUESTION
     before = tokenizer.decode(prompt.ids[: prompt.needle_start]).rstrip()
     assert SENTENCE_END.search(before) and abs(prompt.needle_start - 0.5 * 512) < 60
+
+
+def test_trials_take_the_passages_book_after_book(tokenizer):
+    books = [list(range(10)), list(range(100, 107)), list(range(200, 203))]
+    assert passages(books, 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [100, 101, 102], [103, 104, 105], [200, 201, 202]]
+    texts = [bundled_text()[:3000], bundled_text()[3000:6000]]
+    first = encoded(tokenizer, texts[0])
+    per_book = len(first) // 128
+    prompts = needle_prompts(tokenizer, texts, [128], [0.5], trials=per_book + 1)
+    second_book = encoded(tokenizer, texts[1])
+    assert prompts[0].ids[: prompts[0].needle_start] == first[: prompts[0].needle_start]
+    assert prompts[-1].trial == per_book and prompts[-1].ids[: prompts[-1].needle_start] == second_book[
+        : prompts[-1].needle_start
+    ]  # the first book's passages are spent: the last trial starts the second book
 
 
 def test_secret_codes_are_deterministic():
@@ -65,8 +80,11 @@ def test_secret_codes_are_deterministic():
 
 def test_too_short_text_and_bad_depth(tokenizer):
     book = encoded(tokenizer, "One sentence. Two sentences. " * 20)
-    with pytest.raises(InfinigenError, match="too few for trial 0 at length 512"):
+    with pytest.raises(InfinigenError, match="too few for a prompt of 512"):
         needle_prompt(tokenizer, book, 512, 0.5)
+    held = len(book) // 64
+    with pytest.raises(InfinigenError, match=f"holds {held} passages of 64 tokens: too few for {held + 1} trials"):
+        needle_prompts(tokenizer, ["One sentence. Two sentences. " * 20], [64], [0.5], trials=held + 1)
     with pytest.raises(InfinigenError, match=r"depths must be in \[0, 1\]"):
         needle_prompt(tokenizer, book, 64, 1.5)
 
@@ -81,12 +99,12 @@ def test_greedy_after_equals_generate(tokenizer, settings):
 
 def test_needle_accuracy_report(tokenizer):
     model, artifact = tiny_setup(tokenizer, "qwen3", "cpu")
-    prompts = needle_prompts(tokenizer, bundled_text(), [96, 128], [0.0, 1.0], trials=2)
-    steps = []
+    prompts = needle_prompts(tokenizer, [bundled_text()], [96, 128], [0.0, 1.0], trials=2)
+    answered = []
     report = needle_accuracy(
-        model, tokenizer, artifact, prompts, advance=lambda: steps.append(1), policy="infinigen", budget=0.25
+        model, tokenizer, artifact, prompts, on_answer=answered.append, policy="infinigen", budget=0.25
     )
-    assert len(steps) == 8 and len(report["answers"]) == 8 and 0 <= report["accuracy"] <= 1
+    assert answered == report["answers"] and len(answered) == 8 and 0 <= report["accuracy"] <= 1
     assert [(c["length"], c["depth"], c["trials"]) for c in report["cells"]] == [
         (96, 0.0, 2),
         (96, 1.0, 2),
