@@ -67,9 +67,10 @@ def test_trials_take_the_passages_book_after_book(tokenizer):
     prompts = needle_prompts(tokenizer, texts, [128], [0.5], trials=per_book + 1)
     second_book = encoded(tokenizer, texts[1])
     assert prompts[0].ids[: prompts[0].needle_start] == first[: prompts[0].needle_start]
-    assert prompts[-1].trial == per_book and prompts[-1].ids[: prompts[-1].needle_start] == second_book[
-        : prompts[-1].needle_start
-    ]  # the first book's passages are spent: the last trial starts the second book
+    assert (
+        prompts[-1].trial == per_book
+        and prompts[-1].ids[: prompts[-1].needle_start] == second_book[: prompts[-1].needle_start]
+    )  # the first book's passages are spent: the last trial starts the second book
 
 
 def test_secret_codes_are_deterministic():
