@@ -133,6 +133,7 @@ class BenchCase:
     # loop, each layer's selection a CUDA graph (plain ``model.generate``); off: no graphs
     graphs: str = "step"
     lookahead_from: str = "input"
+    attention_lookahead_layers: int = RuntimeConfig.attention_lookahead_layers
     partial_key_bits: int = RuntimeConfig.partial_key_bits
     ratio: float = DEFAULT_RATIO  # the artifact's partial channels (speculating policies)
 
@@ -149,21 +150,23 @@ def bench_cases(
     *,
     graphs: tuple[str, ...] = ("step",),
     lookahead_from: tuple[str, ...] = ("input",),
+    attention_lookahead_layers: tuple[int, ...] = (RuntimeConfig.attention_lookahead_layers,),
     partial_key_bits: tuple[int, ...] = (RuntimeConfig.partial_key_bits,),
     ratios: tuple[float, ...] = (DEFAULT_RATIO,),
 ) -> list[BenchCase]:
     """Every context x batch x policy setting; the runtime-option sweeps multiply only the policies
-    they change (ratio and partial-key bits: speculating policies; lookahead_from: offloading ones
-    that select one layer ahead; graphs: our caches)."""
+    they change (ratio and partial-key bits: speculating policies; lookahead_from and
+    attention_lookahead_layers: offloading ones that select one layer ahead; graphs: our caches)."""
     cases = []
     for n, b, setting in itertools.product(prompt_lens, batches, settings):
         policy = POLICIES.get(setting["policy"])  # None: transformers' own caches
         speculates = policy is not None and policy.speculates
         looks_ahead = policy is not None and policy.offloads and policy.lookahead
-        for ratio, bits, source, graph in itertools.product(
+        for ratio, bits, source, attention_layers, graph in itertools.product(
             ratios if speculates else ratios[:1],
             partial_key_bits if speculates else partial_key_bits[:1],
             lookahead_from if looks_ahead else lookahead_from[:1],
+            attention_lookahead_layers if looks_ahead else attention_lookahead_layers[:1],
             graphs if policy is not None else graphs[:1],
         ):
             cases.append(
@@ -175,6 +178,7 @@ def bench_cases(
                     budget=setting["budget"],
                     graphs=graph,
                     lookahead_from=source,
+                    attention_lookahead_layers=attention_layers,
                     partial_key_bits=bits,
                     ratio=ratio,
                 )
@@ -195,6 +199,7 @@ def _make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCa
         alpha=case.alpha,
         cuda_graphs=case.graphs != "off",
         lookahead_from=case.lookahead_from,
+        attention_lookahead_layers=case.attention_lookahead_layers,
         partial_key_bits=case.partial_key_bits,
     )
 
@@ -273,6 +278,7 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
         "budget": case.budget if case.policy in BUDGETED else None,
         "graphs": case.graphs if case.policy not in HF_BASELINES else None,
         "lookahead_from": case.lookahead_from if case.policy in LOOKAHEAD else None,
+        "attention_lookahead_layers": case.attention_lookahead_layers if case.policy in LOOKAHEAD else None,
         "partial_key_bits": case.partial_key_bits if case.policy in SPECULATING else None,
         "ratio": case.ratio if case.policy in SPECULATING else None,
         "prefill_s": round(prefill_s, 3),

@@ -43,6 +43,13 @@ LookaheadOpt = Annotated[
         "the paper) | attention (the residual after the previous layer's attention)."
     ),
 ]
+AttentionLayersOpt = Annotated[
+    int,
+    typer.Option(
+        help="The first this many offloaded layers select from the residual after the previous layer's "
+        "attention, whatever --lookahead-from says (the residual changes fastest in the first layers)."
+    ),
+]
 PartialKeyBitsOpt = Annotated[
     int,
     typer.Option(help="infinigen's partial key cache on the GPU: 4 (two codes a byte + a scale per token) | 8 | 16."),
@@ -319,6 +326,9 @@ def bench(
     lookahead_from: Annotated[
         str, typer.Option(help="input | attention, or both comma-separated (a sweep; see `generate --help`).")
     ] = "input",
+    attention_lookahead_layers: Annotated[
+        str, typer.Option(help="See `generate --help`; a comma-separated list is a sweep.")
+    ] = "1",
     partial_key_bits: Annotated[
         str, typer.Option(help="infinigen's partial key cache bits: 4, 8, 16, or a list.")
     ] = "4",
@@ -360,6 +370,7 @@ def bench(
         gen_len,
         graphs=tuple(_numbers(graphs, "--graphs", str)),
         lookahead_from=tuple(_numbers(lookahead_from, "--lookahead-from", str)),
+        attention_lookahead_layers=tuple(_numbers(attention_lookahead_layers, "--attention-lookahead-layers", int)),
         partial_key_bits=tuple(_numbers(partial_key_bits, "--partial-key-bits", int)),
         ratios=tuple(_numbers(ratio, "--ratio")),
     )
@@ -507,6 +518,7 @@ def generate(
     cpu_pool_gb: Annotated[float | None, typer.Option(help="Limit of the CPU KV pool (evicts when full).")] = None,
     eviction: Annotated[str, typer.Option(help="counter | fifo | lru.")] = "counter",
     lookahead_from: LookaheadOpt = "input",
+    attention_lookahead_layers: AttentionLayersOpt = 1,
     partial_key_bits: PartialKeyBitsOpt = 4,
     prefill_chunk: Annotated[
         int, typer.Option(help="Prefill long prompts in chunks of this many tokens (bounds GPU memory); 0: one pass.")
@@ -536,6 +548,7 @@ def generate(
         cpu_pool_gb=cpu_pool_gb,
         eviction=eviction,
         lookahead_from=lookahead_from,
+        attention_lookahead_layers=attention_lookahead_layers,
         partial_key_bits=partial_key_bits,
     )
     if device is None and not torch.cuda.is_available():
@@ -741,6 +754,7 @@ def ppl(
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
     lookahead_from: LookaheadOpt = "input",
+    attention_lookahead_layers: AttentionLayersOpt = 1,
     partial_key_bits: PartialKeyBitsOpt = 4,
     cpu_pool_fraction: Annotated[
         float | None, typer.Option(help="Limit the CPU pool to this share of a window's tokens (evicts).")
@@ -767,7 +781,12 @@ def ppl(
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     rows = []
     for settings in _policy_settings(
-        policies, budgets, alpha, lookahead_from=lookahead_from, partial_key_bits=partial_key_bits
+        policies,
+        budgets,
+        alpha,
+        lookahead_from=lookahead_from,
+        attention_lookahead_layers=attention_lookahead_layers,
+        partial_key_bits=partial_key_bits,
     ):
         settings["eviction"] = eviction
         rows.append(
@@ -827,6 +846,7 @@ def tasks(
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
     lookahead_from: LookaheadOpt = "input",
+    attention_lookahead_layers: AttentionLayersOpt = 1,
     partial_key_bits: PartialKeyBitsOpt = 4,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
@@ -853,7 +873,12 @@ def tasks(
     else:
         examples = {name.strip(): builtin_examples(name.strip()) for name in task_names.split(",")}
     all_settings = _policy_settings(
-        policies, budgets, alpha, lookahead_from=lookahead_from, partial_key_bits=partial_key_bits
+        policies,
+        budgets,
+        alpha,
+        lookahead_from=lookahead_from,
+        attention_lookahead_layers=attention_lookahead_layers,
+        partial_key_bits=partial_key_bits,
     )
     loaded, checked = _load_for_eval(model, artifact, device, dtype)
     rows = []
@@ -988,6 +1013,7 @@ def needle(
     budgets: BudgetsOpt = "0.2,0.1",
     alpha: AlphaOpt = None,
     lookahead_from: LookaheadOpt = "input",
+    attention_lookahead_layers: AttentionLayersOpt = 1,
     partial_key_bits: PartialKeyBitsOpt = 4,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
@@ -1006,7 +1032,12 @@ def needle(
     if trials < 1:
         raise InfinigenError(f"--trials must be >= 1, got {trials}")
     all_settings = _policy_settings(
-        policies, budgets, alpha, lookahead_from=lookahead_from, partial_key_bits=partial_key_bits
+        policies,
+        budgets,
+        alpha,
+        lookahead_from=lookahead_from,
+        attention_lookahead_layers=attention_lookahead_layers,
+        partial_key_bits=partial_key_bits,
     )
     loaded, checked = _load_for_eval(model, artifact, device, dtype)
     context = loaded.model.config.max_position_embeddings

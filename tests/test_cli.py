@@ -232,15 +232,18 @@ def test_bench_sweeps_and_plots(tmp_path):
 
 def test_bench_runtime_sweeps_multiply_only_the_policies_they_change():
     args = "--batch 1 --prompt-len 32 --gen-len 1 --policies dense,full,infinigen --budgets 0.5"
-    result = bench(f"{args} --ratio 0.3,0.5 --partial-key-bits 8,16 --lookahead-from input,attention --json")
+    sweeps = "--ratio 0.3,0.5 --partial-key-bits 8,16 --lookahead-from input,attention --attention-lookahead-layers 0,1"
+    result = bench(f"{args} {sweeps} --json")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["results"]
-    keys = [(r["policy"], r["ratio"], r["partial_key_bits"], r["lookahead_from"]) for r in rows]
-    assert keys[:3] == [("dense", None, None, None), ("full", None, None, "input"), ("full", None, None, "attention")]
-    assert sorted(keys[3:]) == sorted(
-        ("infinigen", r, b, s) for r in (0.3, 0.5) for b in (8, 16) for s in ("input", "attention")
+    fields = ("policy", "ratio", "partial_key_bits", "lookahead_from", "attention_lookahead_layers")
+    keys = [tuple(r[f] for f in fields) for r in rows]
+    lookahead = [(s, n) for s in ("input", "attention") for n in (0, 1)]
+    assert keys[:5] == [("dense", None, None, None, None)] + [("full", None, None, s, n) for s, n in lookahead]
+    assert sorted(keys[5:]) == sorted(
+        ("infinigen", r, b, s, n) for r in (0.3, 0.5) for b in (8, 16) for s, n in lookahead
     )
-    assert all(r["fraction_fetched"] == rows[-1]["fraction_fetched"] for r in rows[3:])
+    assert all(r["fraction_fetched"] == rows[-1]["fraction_fetched"] for r in rows[5:])
 
 
 def test_bench_graphs_sweep_covers_our_caches_only():

@@ -57,30 +57,50 @@ def test_full_budget_is_exact_tiny(tokenizer, arch, policy, device):
 
 
 @pytest.mark.parametrize("arch", ["opt", "llama"])
-def test_lookahead_from_attention_is_exact_and_reads_the_residual_after_attention(tokenizer, arch, device, monkeypatch):
-    """With ``lookahead_from="attention"`` layer i's selection reads the residual stream after layer
-    i-1's attention (the input of its MLP norm); at budget 1 decoding stays exact."""
+@pytest.mark.parametrize(
+    ("lookahead_from", "attention_layers", "after_attention"),
+    [("input", 0, (False, False)), ("input", 1, (True, False)), ("attention", 0, (True, True))],
+)
+def test_where_each_selection_reads(
+    tokenizer, arch, device, monkeypatch, lookahead_from, attention_layers, after_attention
+):
+    """Layer i's one-layer-ahead selection reads the residual stream entering layer i-1, or the one
+    after layer i-1's attention (the input of its MLP norm), as ``lookahead_from`` and
+    ``attention_lookahead_layers`` say (layers 1 and 2 offloaded); at budget 1 decoding stays exact."""
     model, artifact = tiny_setup(tokenizer, arch, device)
     inputs = padded_batch([list(range(3, 20)), list(range(40, 50))], pad=1, device=device)
     expected = greedy(model, inputs, DynamicCache())
-    cache = cache_for(model, artifact, lookahead_from="attention", **EXACT)
-    mlp_inputs, selection_inputs = [], []
-    block = decoder_layers(model)[1]
-    handle = mlp_norm(block).register_forward_pre_hook(lambda module, args: mlp_inputs.append(args[0]))
+    settings = dict(lookahead_from=lookahead_from, attention_lookahead_layers=attention_layers, **EXACT)
+    cache = cache_for(model, artifact, dense_layers=1, **settings)
+    seen: dict[tuple[str, int], list[torch.Tensor]] = {}  # (what, layer) -> one (B, hidden) per decode step
+
+    def record(what: str, layer: int, hidden: torch.Tensor) -> None:
+        if hidden.numel() == 2 * hidden.shape[-1]:  # decode steps: one token per row
+            seen.setdefault((what, layer), []).append(hidden.reshape(2, hidden.shape[-1]))
+
+    handles = []
+    for j, block in enumerate(decoder_layers(model)[:2]):
+        handles.append(
+            block.register_forward_pre_hook(
+                lambda m, args, kwargs, j=j: record("input", j, args[0] if args else kwargs["hidden_states"]),
+                with_kwargs=True,
+            )
+        )
+        handles.append(mlp_norm(block).register_forward_pre_hook(lambda m, args, j=j: record("attention", j, args[0])))
     real_prefetch = OffloadedLayer.prefetch
 
     def recording_prefetch(layer, hidden, norm, rope):
-        if layer.index == 2:
-            selection_inputs.append(hidden)
+        record("selection", layer.index, hidden)
         return real_prefetch(layer, hidden, norm, rope)
 
     monkeypatch.setattr(OffloadedLayer, "prefetch", recording_prefetch)
     assert torch.equal(greedy(model, inputs, cache), expected)
-    handle.remove()
-    # decode steps: one token per row, (B, 1, hidden), or (B, hidden) as OPT flattens it
-    decode_inputs = [x.reshape(2, x.shape[-1]) for x in mlp_inputs if x.numel() == 2 * x.shape[-1]]
-    assert len(selection_inputs) == 11  # one per decode step (the prefill selects nothing)
-    assert all(torch.equal(a, b) for a, b in zip(selection_inputs, decode_inputs, strict=True))
+    for handle in handles:
+        handle.remove()
+    for layer, after in zip((1, 2), after_attention, strict=True):
+        source = seen["attention" if after else "input", layer - 1]
+        assert len(seen["selection", layer]) == len(source) == 11  # one per decode step (the prefill selects nothing)
+        assert all(torch.equal(a, b) for a, b in zip(seen["selection", layer], source, strict=True))
 
 
 PROMPTS = [
@@ -210,6 +230,7 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"policy": "magic"}, "unknown policy 'magic'"),
         ({"eviction": "random"}, "eviction must be one of"),
         ({"lookahead_from": "output"}, "lookahead_from must be one of"),
+        ({"attention_lookahead_layers": -1}, "attention_lookahead_layers must be >= 0"),
         ({"partial_key_bits": 2}, "partial_key_bits must be 4, 8 or 16"),
         ({"dense_layers": 0}, "dense_layers must be at least 1"),
     ],

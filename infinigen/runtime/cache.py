@@ -396,10 +396,19 @@ def _prefetch(cache: InfinigenCache, targets: list[int], hidden: torch.Tensor, n
             layer.prefetch(hidden[:, 0], norms[target], cache.rope)
 
 
+def _reads_input(cache: InfinigenCache, layer: int) -> bool:
+    """Whether ``layer``'s one-layer-ahead selection reads the residual stream entering the previous
+    layer; if not, the residual after the previous layer's attention (``lookahead_from ==
+    "attention"``, and the first ``attention_lookahead_layers`` offloaded layers)."""
+    first_offloaded = cache.spec.n_layers - cache.n_offloaded
+    config = cache.config
+    return config.lookahead_from == "input" and layer >= first_offloaded + config.attention_lookahead_layers
+
+
 def _step_hook(j: int, norms: list[nn.Module]):
     """Before decoder layer j: bind the running cache to its attention, and during decode start the
-    selection and prefetch of layer j+1 from the residual stream entering layer j (``lookahead_from
-    == "input"``), of layer j itself for policies that select at their own layer, and of layer 0
+    selection and prefetch of layer j+1 from the residual stream entering layer j (where
+    ``_reads_input``), of layer j itself for policies that select at their own layer, and of layer 0
     (no previous layer) from its own input.
     """
 
@@ -421,7 +430,7 @@ def _step_hook(j: int, norms: list[nn.Module]):
             _prefetch(cache, [j], hidden, norms)
             return
         targets = [0] if j == 0 else []
-        targets += [j + 1] if cache.config.lookahead_from == "input" else []
+        targets += [j + 1] if _reads_input(cache, j + 1) else []
         _prefetch(cache, targets, hidden, norms)
 
     return hook
@@ -429,13 +438,13 @@ def _step_hook(j: int, norms: list[nn.Module]):
 
 def _after_attention_hook(j: int, norms: list[nn.Module], attention: nn.Module):
     """Before decoder layer j's MLP norm, i.e. on the residual stream after its attention: the
-    selection and prefetch of layer j+1 when ``lookahead_from == "attention"``."""
+    selection and prefetch of layer j+1 where it does not read layer j's input."""
 
     def hook(norm: nn.Module, args) -> None:
         cache = getattr(attention, "_infinigen_cache", None)
         if cache is None or not cache.decoding or not cache.policy.lookahead:
             return
-        if cache.config.lookahead_from == "attention":  # (B, 1, hidden), or (B, hidden) as OPT flattens it
+        if not _reads_input(cache, j + 1):  # (B, 1, hidden), or (B, hidden) as OPT flattens it
             _prefetch(cache, [j + 1], args[0].view(-1, 1, args[0].shape[-1]), norms)
 
     return hook

@@ -29,6 +29,11 @@ class RuntimeConfig:
     # i-1 (the paper; its transfer overlaps all of layer i-1), or "attention", the residual after layer
     # i-1's attention (closer to layer i's input; the transfer overlaps only layer i-1's MLP).
     lookahead_from: str = "input"
+    # The first this many offloaded layers read the residual after the previous layer's attention
+    # whatever ``lookahead_from`` says: the residual stream changes fastest in the first layers (on
+    # SmolLM2 the first offloaded layer alone decides the 8K needle; ACCURACY.md session 9), and one
+    # layer's shorter overlap costs little.
+    attention_lookahead_layers: int = 1
     # Bits per value of infinigen's partial key cache on the GPU: 4 (two codes a byte with a per-token
     # scale), 8 (int8 codes with a per-token scale) or 16 (the model's dtype, as the paper).
     partial_key_bits: int = 4
@@ -38,8 +43,10 @@ class RuntimeConfig:
             raise InfinigenError(f"budget must be in (0, 1], got {self.budget}")
         if self.alpha is not None and self.alpha < 0:
             raise InfinigenError(f"alpha must be non-negative, got {self.alpha}")
-        if self.dense_layers < 0 or self.min_tokens < 1 or self.block_tokens < 1:
-            raise InfinigenError("dense_layers must be >= 0, min_tokens and block_tokens >= 1")
+        if self.dense_layers < 0 or self.attention_lookahead_layers < 0:
+            raise InfinigenError("dense_layers and attention_lookahead_layers must be >= 0")
+        if self.min_tokens < 1 or self.block_tokens < 1:
+            raise InfinigenError("min_tokens and block_tokens must be >= 1")
         if self.eviction not in EVICTIONS:
             raise InfinigenError(f"eviction must be one of {', '.join(EVICTIONS)}, got {self.eviction!r}")
         if self.lookahead_from not in LOOKAHEAD_FROM:
