@@ -478,12 +478,14 @@ def _print_bench(report: dict) -> None:
 
 @command
 def plot(
-    report: Annotated[Path, typer.Argument(help="A --json report of `infinigen bench`, `eval ppl` or `eval tasks`.")],
+    report: Annotated[
+        Path, typer.Argument(help="A --json report of `infinigen bench`, `eval ppl`, `eval tasks` or `eval needle`.")
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write.")],
 ) -> None:
     """Plot a saved report: bench -> tokens/s vs context and batch; eval ppl -> perplexity vs KV fetched;
-    eval tasks -> mean accuracy of the tasks vs KV fetched."""
-    from infinigen.plots import plot_accuracy, plot_bench, plot_tasks
+    eval tasks -> mean accuracy of the tasks vs KV fetched; eval needle -> accuracy vs depth per length."""
+    from infinigen.plots import plot_accuracy, plot_bench, plot_needle, plot_tasks
 
     try:
         data = json.loads(report.read_text())
@@ -494,6 +496,8 @@ def plot(
         raise InfinigenError(f"{report} is not a report of `infinigen bench` or `infinigen eval`")
     if "shape" in data:
         plot_bench(data, out)
+    elif "cells" in rows[0]:
+        plot_needle(data, out)
     else:
         (plot_tasks if "tasks" in rows[0] else plot_accuracy)(data, out)
     console.print(f"wrote {out}")

@@ -86,6 +86,33 @@ def plot_accuracy(report: dict, path: str | Path, metric: str = "perplexity") ->
     return _save(figure, plt, path)
 
 
+def plot_needle(report: dict, path: str | Path) -> Path:
+    """An `eval needle` report: accuracy vs the needle's depth, one panel per prompt length, one line
+    per policy (and budget, and lookahead settings other than the defaults)."""
+    plt = _pyplot()
+    lengths = sorted({cell["length"] for row in report["results"] for cell in row["cells"]})
+    figure, panels = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.8), sharey=True, squeeze=False)
+    for panel, length in zip(panels[0], lengths, strict=True):
+        for row in report["results"]:
+            points = sorted((c["depth"], c["accuracy"]) for c in row["cells"] if c["length"] == length)
+            if points:
+                panel.plot(*zip(*points, strict=True), marker="o", label=_needle_label(row))
+        panel.set(xlabel="needle depth (0: start of the text)", title=f"{length} tokens", ylim=(-0.05, 1.05))
+    panels[0][0].set_ylabel("accuracy")
+    panels[0][-1].legend(fontsize=8)
+    figure.suptitle(f"{report.get('model', '')}: needle retrieval, {report.get('trials', '?')} trial(s) per cell")
+    return _save(figure, plt, path)
+
+
+def _needle_label(row: dict) -> str:
+    label = _label(row)
+    if row["policy"] != "dense" and row.get("lookahead_from", "input") != "input":
+        label += f", lookahead from {row['lookahead_from']}"
+    if row["policy"] != "dense" and row.get("attention_lookahead_layers", 1) != 1:
+        label += f", {row['attention_lookahead_layers']} layers after attention"
+    return label
+
+
 def _save(figure, plt, path: str | Path) -> Path:
     path = Path(path)
     figure.tight_layout()

@@ -362,6 +362,9 @@ def test_eval_needle(prepared, tmp_path):
     report = json.loads(result.stdout)
     assert [(r["policy"], r["budget"]) for r in report["results"]] == [("dense", 1.0), ("infinigen", 0.5)]
     assert all(len(r["cells"]) == 4 and len(r["answers"]) == 8 for r in report["results"])
+    saved, png = tmp_path / "needle.json", tmp_path / "needle.png"
+    saved.write_text(result.stdout)
+    assert invoke("plot", str(saved), "--out", str(png)).exit_code == 0 and png.read_bytes()[:4] == b"\x89PNG"
     streamed = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     assert [(a["policy"], a["trial"], a["correct"]) for a in streamed] == [
         (r["policy"], a["trial"], a["correct"]) for r in report["results"] for a in r["answers"]
