@@ -736,6 +736,25 @@ def _policy_settings(policies: str, budgets: str, alpha: float | None, **runtime
     ]
 
 
+def _eval_settings(
+    policies: str,
+    budgets: str,
+    alpha: float | None,
+    lookahead_from: str,
+    attention_lookahead_layers: int,
+    partial_key_bits: int,
+) -> list[dict]:
+    """An `eval` command's rows: one per policy and budget, each with the command's runtime options."""
+    return _policy_settings(
+        policies,
+        budgets,
+        alpha,
+        lookahead_from=lookahead_from,
+        attention_lookahead_layers=attention_lookahead_layers,
+        partial_key_bits=partial_key_bits,
+    )
+
+
 def _load_for_eval(model: str | None, artifact: str | None, device: str | None, dtype: str | None):
     """The loaded model and its checked artifact (None without --artifact)."""
     from infinigen.artifacts import open_artifact
@@ -784,13 +803,8 @@ def ppl(
     loaded, checked = _load_for_eval(model, artifact, device, dtype)
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     rows = []
-    for settings in _policy_settings(
-        policies,
-        budgets,
-        alpha,
-        lookahead_from=lookahead_from,
-        attention_lookahead_layers=attention_lookahead_layers,
-        partial_key_bits=partial_key_bits,
+    for settings in _eval_settings(
+        policies, budgets, alpha, lookahead_from, attention_lookahead_layers, partial_key_bits
     ):
         settings["eviction"] = eviction
         rows.append(
@@ -876,13 +890,8 @@ def tasks(
         examples = {path.stem: jsonl_examples(path) for path in data}
     else:
         examples = {name.strip(): builtin_examples(name.strip()) for name in task_names.split(",")}
-    all_settings = _policy_settings(
-        policies,
-        budgets,
-        alpha,
-        lookahead_from=lookahead_from,
-        attention_lookahead_layers=attention_lookahead_layers,
-        partial_key_bits=partial_key_bits,
+    all_settings = _eval_settings(
+        policies, budgets, alpha, lookahead_from, attention_lookahead_layers, partial_key_bits
     )
     loaded, checked = _load_for_eval(model, artifact, device, dtype)
     rows = []
@@ -1035,13 +1044,8 @@ def needle(
     token_lengths, depth_fractions = _numbers(lengths, "--lengths", int), _numbers(depths, "--depths")
     if trials < 1:
         raise InfinigenError(f"--trials must be >= 1, got {trials}")
-    all_settings = _policy_settings(
-        policies,
-        budgets,
-        alpha,
-        lookahead_from=lookahead_from,
-        attention_lookahead_layers=attention_lookahead_layers,
-        partial_key_bits=partial_key_bits,
+    all_settings = _eval_settings(
+        policies, budgets, alpha, lookahead_from, attention_lookahead_layers, partial_key_bits
     )
     loaded, checked = _load_for_eval(model, artifact, device, dtype)
     context = loaded.model.config.max_position_embeddings
