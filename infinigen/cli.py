@@ -943,6 +943,19 @@ def tasks(
     _print_rows(f"{report['model']}: {shots}-shot, first {limit} examples per task", columns, flat)
 
 
+def _row_labels(rows: list[dict], sources: list[str]) -> list[str]:
+    """'policy@budget' per row; where several reports hold the same one, each also names its report
+    ('infinigen@0.2 (before)')."""
+    plain = [f"{row['policy']}@{row['budget']:g}" for row in rows]
+    labels = [
+        f"{label} ({source})" if plain.count(label) > 1 else label for label, source in zip(plain, sources, strict=True)
+    ]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise InfinigenError(f"one report holds {', '.join(repeated)} more than once")
+    return labels
+
+
 def _paired_cell(row: dict, task: str) -> str | None:
     """'+0.25 ± 0.31': a row's paired accuracy difference on ``task`` ('average': the mean of tasks)."""
     if "paired" not in row:
@@ -968,19 +981,20 @@ def compare(
     """
     from infinigen.tasks import compare as compare_rows
 
-    rows = []
+    rows, sources = [], []
     for path in reports:
         try:
             rows += json.loads(path.read_text())["results"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InfinigenError(f"cannot read the eval tasks report {path}: {exc}") from exc
+        sources += [path.stem] * (len(rows) - len(sources))
     if len(rows) < 2 or not all(_has_hits(row) for row in rows):
         raise InfinigenError("compare needs two or more rows of `eval tasks --json` reports with per-example hits")
-    labels = [f"{row['policy']}@{row['budget']:g}" for row in rows]
+    labels = _row_labels(rows, sources)
     if reference is not None and reference not in labels:
         raise InfinigenError(f"--reference {reference} is none of the rows: {', '.join(labels)}")
     try:
-        report = compare_rows(rows, labels.index(reference) if reference else 0)
+        report = compare_rows(rows, labels.index(reference) if reference else 0, labels)
     except (KeyError, ValueError, InfinigenError) as exc:
         raise InfinigenError(f"the reports do not cover the same tasks and examples: {exc}") from exc
     if _printed_json(report, as_json):

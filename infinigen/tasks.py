@@ -301,16 +301,17 @@ def changed_answers(hits: str, reference: str) -> str:
     return "".join("1" if a != b else "0" for a, b in zip(hits, reference, strict=True))
 
 
-def compare(rows: list[dict], reference: int = 0) -> dict:
+def compare(rows: list[dict], reference: int = 0, labels: list[str] | None = None) -> dict:
     """Rows of ``eval tasks`` reports (the same tasks and examples) against ``rows[reference]``, all
     examples pooled: accuracy, the paired difference, and how often the row changes the reference's
     answer (right <-> wrong). ``pairs``: every two other rows head to head, on accuracy and on that
-    rate of changed answers (the row with fewer changes is the more faithful to the reference)."""
+    rate of changed answers (the row with fewer changes is the more faithful to the reference).
+    ``labels``: the rows' names (default 'policy@budget')."""
     names = list(rows[reference]["tasks"])
     hits = ["".join(row["tasks"][name]["hits"] for name in names) for row in rows]
     base = hits[reference]
     changed = [changed_answers(h, base) for h in hits]
-    label = [f"{row['policy']}@{row['budget']:g}" for row in rows]
+    label = labels or [f"{row['policy']}@{row['budget']:g}" for row in rows]
     others = [i for i in range(len(rows)) if i != reference]
     return {
         "reference": label[reference],

@@ -403,6 +403,14 @@ def test_eval_compare(tmp_path):
     assert "dense@1" in table and "answers" in table
     unknown = invoke("eval", "compare", first, "--reference", "quest@0.2")
     assert unknown.exit_code == 2 and "none of the rows: dense@1, infinigen@0.2" in unknown.output
+    again = report(tmp_path / "later.json", ("infinigen", 0.2, "1100", "11"))
+    both = json.loads(invoke("eval", "compare", first, again, "--reference", "dense@1", "--json").stdout)
+    assert [r["row"] for r in both["rows"]] == ["infinigen@0.2 (a)", "infinigen@0.2 (later)"]  # each names its report
+    assert both["rows"][1]["changed"] == 16.67
+    twice = invoke(
+        "eval", "compare", report(tmp_path / "d.json", ("h2o", 0.2, "0100", "10"), ("h2o", 0.2, "0000", "10"))
+    )
+    assert twice.exit_code == 2 and "one report holds h2o@0.2 (d) more than once" in twice.output
     short = report(tmp_path / "c.json", ("int4", 1.0, "110", "10"))
     assert "do not cover the same tasks and examples" in invoke("eval", "compare", first, short).output
     (tmp_path / "bench.json").write_text(json.dumps({"shape": "x", "results": [{"policy": "full"}]}))
