@@ -257,6 +257,21 @@ class _Decoder:
         return statistics.median(times)
 
 
+def case_settings(case: BenchCase) -> dict:
+    """A result row's first columns: what the case ran (None where a setting does not apply)."""
+    return {
+        "policy": case.policy,
+        "batch": case.batch,
+        "prompt_len": case.prompt_len,
+        "budget": case.budget if case.policy in BUDGETED else None,
+        "graphs": case.graphs if case.policy not in HF_BASELINES else None,
+        "lookahead_from": case.lookahead_from if case.policy in LOOKAHEAD else None,
+        "attention_lookahead_layers": case.attention_lookahead_layers if case.policy in LOOKAHEAD else None,
+        "partial_key_bits": case.partial_key_bits if case.policy in SPECULATING else None,
+        "ratio": case.ratio if case.policy in SPECULATING else None,
+    }
+
+
 @torch.no_grad()
 def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase) -> dict:
     device = next(model.parameters()).device
@@ -271,16 +286,7 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step_s = decoder.step_seconds()
-    result = {
-        "policy": case.policy,
-        "batch": case.batch,
-        "prompt_len": case.prompt_len,
-        "budget": case.budget if case.policy in BUDGETED else None,
-        "graphs": case.graphs if case.policy not in HF_BASELINES else None,
-        "lookahead_from": case.lookahead_from if case.policy in LOOKAHEAD else None,
-        "attention_lookahead_layers": case.attention_lookahead_layers if case.policy in LOOKAHEAD else None,
-        "partial_key_bits": case.partial_key_bits if case.policy in SPECULATING else None,
-        "ratio": case.ratio if case.policy in SPECULATING else None,
+    result = case_settings(case) | {
         "prefill_s": round(prefill_s, 3),
         "ms_per_step": round(step_s * 1e3, 2),
         "decode_tok_s": round(case.batch / step_s, 1),
@@ -333,9 +339,7 @@ def breakdown(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase
         pool.gather(indices, count, out)
     _sync(device)
     transfer_only = (time.perf_counter() - start) * 1e3
-    return {
-        "policy": case.policy,
-        "budget": case.budget,
+    return case_settings(case) | {
         "step_ms": round(full_step, 2),
         "compute_only_ms": round(compute_only, 2),
         "transfer_only_ms": round(transfer_only, 2),

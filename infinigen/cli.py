@@ -442,6 +442,12 @@ def _print_micro(report: dict) -> None:
     _print_rows("speculation vs a layer's compute", columns | {"share": "share"}, speculation)
 
 
+SWEPT_SETTINGS = (
+    "ratio",
+    "partial_key_bits",
+    "lookahead_from",
+    "attention_lookahead_layers",
+)  # a column where rows differ
 BENCH_COLUMNS = {
     "policy": "policy",
     "budget": "budget",
@@ -468,9 +474,12 @@ def _print_bench(report: dict) -> None:
         for row in report["results"]
     ]
     title = f"{report['shape']} {report['dtype']} on {report['device']}"
-    _print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), BENCH_COLUMNS, rows)
+    swept = {key: key for key in SWEPT_SETTINGS if len({row.get(key) for row in rows} - {None}) > 1}
+    columns = dict(list(BENCH_COLUMNS.items())[:2]) | swept | BENCH_COLUMNS  # what the sweeps vary, after the budget
+    _print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), columns, rows)
     if report["breakdown"]:
-        columns = {"policy": "policy", "budget": "budget", "step ms": "step_ms", "compute-only ms": "compute_only_ms"}
+        columns = {"policy": "policy", "budget": "budget"} | swept | {"batch": "batch", "context": "prompt_len"}
+        columns |= {"step ms": "step_ms", "compute-only ms": "compute_only_ms"}
         columns |= {"transfer-only ms": "transfer_only_ms", "step / max": "step_over_max"}
         columns |= {"no-selection ms": "without_selection_ms", "selection share": "selection_share"}
         _print_rows("where the step goes", columns, report["breakdown"])

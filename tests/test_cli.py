@@ -203,8 +203,8 @@ def test_bench_tiny_on_cpu():
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    splits = [(b["policy"], b["budget"]) for b in report["breakdown"]]
-    assert splits == [("full", 1.0), ("infinigen", 0.2), ("infinigen", 0.5)]
+    splits = [(b["policy"], b["budget"], b["batch"], b["prompt_len"]) for b in report["breakdown"]]
+    assert splits == [("full", None, 2, 64), ("infinigen", 0.2, 2, 64), ("infinigen", 0.5, 2, 64)]  # as the results
     assert all(b["compute_only_ms"] > 0 and b["transfer_only_ms"] > 0 for b in report["breakdown"])
     assert all(b["without_selection_ms"] > 0 and b["selection_share"] < 1 for b in report["breakdown"])
     rows = {(r["policy"], r["budget"]): r for r in report["results"]}
