@@ -8,15 +8,19 @@ Two families are supported:
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from infinigen.errors import InfinigenError
 
 ROPE_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+Norm = Callable[[torch.Tensor], torch.Tensor]  # a norm module, or a function computing the same
 SUPPORTED = ("opt", *ROPE_FAMILY)
 
 
@@ -71,6 +75,19 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def attention_norm(layer: nn.Module) -> nn.Module:
     """The norm whose output is a decoder block's attention input."""
     return layer.self_attn_layer_norm if hasattr(layer, "self_attn_layer_norm") else layer.input_layernorm
+
+
+def one_kernel_norm(norm: nn.Module) -> Norm:
+    """``norm`` as one kernel where PyTorch has one: a plain RMS norm (``weight * x / sqrt(mean(x^2) +
+    eps)``: Llama, Mistral, Qwen) through ``F.rms_norm``, which transformers' module runs as about seven
+    element-wise kernels; any other norm as itself. The same values up to the last bit of rounding:
+    for the selections' inputs, never for the model's own compute."""
+    plain = type(norm).__name__.endswith("RMSNorm") and isinstance(getattr(norm, "variance_epsilon", None), float)
+    if not plain or getattr(norm, "bias", None) is not None or norm.weight.dim() != 1:
+        return norm
+    return functools.partial(
+        F.rms_norm, normalized_shape=norm.weight.shape, weight=norm.weight, eps=norm.variance_epsilon
+    )
 
 
 def mlp_norm(layer: nn.Module) -> nn.Module:

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import ARCHITECTURES, tiny_model
 from huggingface_hub import constants
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -93,3 +93,20 @@ def test_embedded_default_loads(smollm2):
     spec = model_spec(smollm2.model.config)
     assert (spec.model_type, spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim) == ("llama", 30, 9, 3, 64)
     assert smollm2.model.dtype == torch.float32
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_kernel_norm_computes_the_attention_norm(arch, dtype):
+    """The selections' one-kernel attention norm gives the model's own norm output (to bfloat16's last
+    bit); OPT's LayerNorm, already one kernel, is passed through as itself."""
+    from infinigen.architectures import attention_norm, decoder_layers, one_kernel_norm
+
+    model = tiny_model(arch, dtype=dtype)
+    norm = attention_norm(decoder_layers(model)[1])
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, norm.weight.numel()))
+        x = 4 * torch.randn(3, norm.weight.numel(), generator=torch.Generator().manual_seed(0)).to(dtype)
+        fused = one_kernel_norm(norm)
+        assert (fused is norm) == (arch == "opt")
+        torch.testing.assert_close(fused(x), norm(x), rtol={torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype], atol=0)

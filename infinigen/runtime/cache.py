@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from infinigen.architectures import attention_norm, decoder_layers, mlp_norm, model_spec
+from infinigen.architectures import Norm, attention_norm, decoder_layers, mlp_norm, model_spec, one_kernel_norm
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.runtime import decode_attention
@@ -373,7 +373,7 @@ def install(model: PreTrainedModel) -> None:
     if getattr(model, "_infinigen_installed", False):
         return
     blocks = decoder_layers(model)
-    norms = [attention_norm(block) for block in blocks]
+    norms = [one_kernel_norm(attention_norm(block)) for block in blocks]  # for the selections' inputs
     for j, block in enumerate(blocks):
         block.register_forward_pre_hook(_step_hook(j, norms), with_kwargs=True)
         mlp_norm(block).register_forward_pre_hook(_after_attention_hook(j, norms, block.self_attn))
@@ -387,7 +387,7 @@ def _unbind(block: nn.Module, args, output) -> None:
     block.self_attn._infinigen_cache = None
 
 
-def _prefetch(cache: InfinigenCache, targets: list[int], hidden: torch.Tensor, norms: list[nn.Module]) -> None:
+def _prefetch(cache: InfinigenCache, targets: list[int], hidden: torch.Tensor, norms: list[Norm]) -> None:
     """Start the selection and fetch of the ``targets`` layers from ``hidden`` (B, 1, hidden), each
     normalised with its target's own attention norm."""
     for target in targets:
@@ -405,7 +405,7 @@ def _reads_input(cache: InfinigenCache, layer: int) -> bool:
     return config.lookahead_from == "input" and layer >= first_offloaded + config.attention_lookahead_layers
 
 
-def _step_hook(j: int, norms: list[nn.Module]):
+def _step_hook(j: int, norms: list[Norm]):
     """Before decoder layer j: bind the running cache to its attention, and during decode start the
     selection and prefetch of layer j+1 from the residual stream entering layer j (where
     ``_reads_input``), of layer j itself for policies that select at their own layer, and of layer 0
@@ -436,7 +436,7 @@ def _step_hook(j: int, norms: list[nn.Module]):
     return hook
 
 
-def _after_attention_hook(j: int, norms: list[nn.Module], attention: nn.Module):
+def _after_attention_hook(j: int, norms: list[Norm], attention: nn.Module):
     """Before decoder layer j's MLP norm, i.e. on the residual stream after its attention: the
     selection and prefetch of layer j+1 where it does not read layer j's input."""
 

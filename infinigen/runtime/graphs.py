@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 if TYPE_CHECKING:
+    from infinigen.architectures import Norm
     from infinigen.runtime.layers import OffloadedLayer
     from infinigen.runtime.policies import Selection
 
@@ -33,9 +34,7 @@ class SelectionGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[Selection, torch.Tensor] | None = None
 
-    def __call__(
-        self, layer: OffloadedLayer, hidden: torch.Tensor, norm: torch.nn.Module, rope
-    ) -> tuple[Selection, torch.Tensor]:
+    def __call__(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: Norm, rope) -> tuple[Selection, torch.Tensor]:
         if layer.capacity != self.capacity:
             self._capture(layer, hidden, norm, rope)
         else:
@@ -48,7 +47,7 @@ class SelectionGraph:
             selection = replace(selection, count=selection.count.clone())
         return selection, valid
 
-    def _capture(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> None:
+    def _capture(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: Norm, rope) -> None:
         self.graph = self.outputs = None  # release the previous capture's memory first
         layer.runtime.all_slots(layer.capacity + 1)  # the shared arange must not grow inside the capture
         self.hidden = hidden.clone()  # static inputs, refilled before each replay

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from infinigen.architectures import Norm
 from infinigen.errors import InfinigenError
 from infinigen.runtime.buffers import grown, grown_to
 from infinigen.runtime.config import RuntimeConfig
@@ -266,12 +267,12 @@ class OffloadedLayer(_Layer):
 
     # --- decode ------------------------------------------------------------------------------
 
-    def prefetch(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> None:
+    def prefetch(self, hidden: torch.Tensor, norm: Norm, rope) -> None:
         """Select and start fetching the rows of the next decode step. hidden (B, hidden): the residual
         stream the selection reads (one layer ahead, or this layer's own), before ``norm``."""
         self.fetched = self.runtime.aside(lambda: self._prefetched(hidden, norm, rope), (hidden, *(rope or ())))
 
-    def _prefetched(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> Fetched:
+    def _prefetched(self, hidden: torch.Tensor, norm: Norm, rope) -> Fetched:
         if self.runtime.select_rows or self.last_selection is None:
             if self.selection_graph is None and self.runtime.captures(self):
                 self.selection_graph = SelectionGraph()
@@ -281,7 +282,7 @@ class OffloadedLayer(_Layer):
                 self.last_selection = self.select(hidden, norm, rope)
         return self.runtime.fetch(self, *self.last_selection)
 
-    def select(self, hidden: torch.Tensor, norm: torch.nn.Module, rope) -> tuple[Selection, torch.Tensor]:
+    def select(self, hidden: torch.Tensor, norm: Norm, rope) -> tuple[Selection, torch.Tensor]:
         """The policy's selection and the validity of the rows it fetches (B, kv_heads, K + 1)."""
         selection = self.policy.select(self, norm(hidden), rope)
         return selection, self.runtime.fetch_mask(self, selection)
