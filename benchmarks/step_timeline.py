@@ -1,0 +1,72 @@
+"""Where the transfer stream idles inside captured decode steps: torch.profiler's trace of replayed
+``StepGraph`` steps, random-weight Llama-3-8B shape, bfloat16, ``infinigen`` at the given budgets.
+Per step: the gap between the last gather of one step and the first of the next (the step boundary:
+the last layer's compute, the LM head, the dense layers and the first selection, when no selection
+is known yet), the gaps between gathers inside the step, and the gathers' total time (compare with
+``bench --breakdown``'s transfer-only time); per stream, kernels and their time. Needs CUDA.
+
+    python benchmarks/step_timeline.py 1 32768 0.1,0.2     # batch, context, budgets
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from infinigen.bench import BenchCase, _Decoder, _make_cache, random_model
+from infinigen.cli import _random_artifact
+
+STEPS = 6
+
+
+def kernels(batch: int, context: int, budget: float, model, artifact) -> tuple[float, list[dict]]:
+    """The median step (ms) and the kernel events of ``STEPS`` profiled steps."""
+    case = BenchCase("infinigen", batch, context, budget=budget, gen_len=8)
+    decoder = _Decoder(model, _make_cache(model, artifact, case), case)
+    with torch.no_grad():
+        decoder.prefill_seconds()
+        step_ms = decoder.step_seconds() * 1e3
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            for _ in range(STEPS):
+                decoder.forward(decoder.token)
+            torch.cuda.synchronize()
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+    profiler.export_chrome_trace(str(trace))
+    return step_ms, [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+
+
+def report(batch: int, context: int, budget: float, step_ms: float, events: list[dict]) -> None:
+    gathers = sorted((e for e in events if "gather" in e["name"]), key=lambda e: e["ts"])
+    per_step = len(gathers) // STEPS
+    print(f"\n{batch} x {context}, infinigen {budget}: step {step_ms:.2f} ms (median), {per_step} gathers a step")
+    for s in range(1, STEPS):  # step 0 starts with the profiler
+        chunk = gathers[s * per_step - 1 : (s + 1) * per_step]  # the previous step's last gather, then this step's
+        gaps = [(b["ts"] - a["ts"] - a["dur"]) / 1e3 for a, b in zip(chunk, chunk[1:], strict=False)]
+        busy = sum(g["dur"] for g in chunk[1:]) / 1e3
+        print(f"  step {s}: boundary {gaps[0]:.3f} ms, gaps inside {sum(gaps[1:]):.3f} ms, gathers {busy:.3f} ms")
+    transfer = gathers[0]["args"]["stream"]
+    streams: dict = {}
+    for e in events:
+        streams.setdefault(e["args"].get("stream"), []).append(e["dur"])
+    for stream, durations in streams.items():
+        role = "transfer" if stream == transfer else "compute or selection"
+        per_step_ms = sum(durations) / 1e3 / STEPS
+        print(f"  stream {stream} ({role}): {len(durations) // STEPS} kernels, {per_step_ms:.2f} ms a step")
+
+
+def main(batch: int, context: int, budgets: list[float]) -> None:
+    model = random_model("llama-3-8b", "cuda", torch.bfloat16)
+    artifact = _random_artifact(model, "llama-3-8b", 0.5)
+    for budget in budgets:
+        report(batch, context, budget, *kernels(batch, context, budget, model, artifact))
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), [float(b) for b in sys.argv[3].split(",")])
