@@ -5,7 +5,8 @@ the last layer's compute, the LM head, the dense layers and the first selection,
 is known yet), the gaps between gathers inside the step, and the gathers' total time (compare with
 ``bench --breakdown``'s transfer-only time); per stream, kernels and their time. Needs CUDA.
 
-    python benchmarks/step_timeline.py 1 32768 0.1,0.2     # batch, context, budgets
+    python benchmarks/step_timeline.py 1 32768 0.1,0.2          # batch, context, budgets
+    python benchmarks/step_timeline.py 1 32768 0.1 --chain      # and one layer's kernels, in order
 """
 
 from __future__ import annotations
@@ -60,13 +61,35 @@ def report(batch: int, context: int, budget: float, step_ms: float, events: list
         print(f"  stream {stream} ({role}): {len(durations) // STEPS} kernels, {per_step_ms:.2f} ms a step")
 
 
-def main(batch: int, context: int, budgets: list[float]) -> None:
+def chain(events: list[dict]) -> None:
+    """Every kernel from ~1.5 ms before a gather in the middle of step 3 to its end, in start order:
+    T transfer, S selection, C compute stream (C kernels under 3 us left out)."""
+    events = sorted(events, key=lambda e: e["ts"])
+    gathers = [e for e in events if "gather" in e["name"]]
+    transfer = gathers[0]["args"]["stream"]
+    counts: dict = {}
+    for e in events:
+        counts[e["args"]["stream"]] = counts.get(e["args"]["stream"], 0) + 1
+    selection = min((s for s in counts if s != transfer), key=lambda s: counts[s])
+    middle = gathers[3 * (len(gathers) // STEPS) + len(gathers) // STEPS // 3]
+    window = [e for e in events if middle["ts"] - 1500 <= e["ts"] <= middle["ts"] + middle["dur"] + 300]
+    for e in window:
+        stream = e["args"]["stream"]
+        role = "T" if stream == transfer else "S" if stream == selection else "C"
+        if role != "C" or e["dur"] >= 3:
+            print(f"  {role} {e['ts'] - window[0]['ts']:8.1f} +{e['dur']:6.1f} us  {e['name'][:70]}")
+
+
+def main(batch: int, context: int, budgets: list[float], show_chain: bool) -> None:
     model = random_model("llama-3-8b", "cuda", torch.bfloat16)
     artifact = _random_artifact(model, "llama-3-8b", 0.5)
     for budget in budgets:
-        report(batch, context, budget, *kernels(batch, context, budget, model, artifact))
+        step_ms, events = kernels(batch, context, budget, model, artifact)
+        report(batch, context, budget, step_ms, events)
+        if show_chain:
+            chain(events)
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), [float(b) for b in sys.argv[3].split(",")])
+    main(int(sys.argv[1]), int(sys.argv[2]), [float(b) for b in sys.argv[3].split(",")], "--chain" in sys.argv)
