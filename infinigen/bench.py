@@ -2,7 +2,8 @@
 
 Random-weight models of known shapes are built directly on the device. Their attention is near
 uniform, so ``infinigen``'s token count then comes from the fixed budget (alpha = inf), as stated
-in the output. The pinned host->device bandwidth is measured in the same process, so every
+in the output (``alpha``: None). A real model runs with its artifact and the paper's alpha (or the
+one given), on prompts cut from a text. The pinned host->device bandwidth is measured in the same process, so every
 transfer rate can be read as a share of the PCIe limit.
 """
 
@@ -128,7 +129,7 @@ class BenchCase:
     gen_len: int = 16
     warmup: int = 3
     budget: float = 0.2
-    alpha: float | None = math.inf  # random weights: the budget fixes the count
+    alpha: float = math.inf  # speculation threshold; inf (random weights): the budget alone fixes the count
     # step: whole decode steps as CUDA graphs (``infinigen.decode``); selection: transformers' own
     # loop, each layer's selection a CUDA graph (plain ``model.generate``); off: no graphs
     graphs: str = "step"
@@ -176,6 +177,7 @@ def bench_cases(
                     n,
                     gen_len,
                     budget=setting["budget"],
+                    alpha=setting.get("alpha", math.inf),
                     graphs=graph,
                     lookahead_from=source,
                     attention_lookahead_layers=attention_layers,
@@ -213,13 +215,11 @@ class _Decoder:
     """Drives one cache through a prefill and timed greedy decode steps (an ``InfinigenCache``'s
     through ``StepGraph`` where ``case.graphs`` is "step")."""
 
-    def __init__(self, model: PreTrainedModel, cache, case: BenchCase) -> None:
+    def __init__(self, model: PreTrainedModel, cache, case: BenchCase, text_ids: torch.Tensor | None = None) -> None:
         self.model, self.cache, self.case = model, cache, case
         self.device = next(model.parameters()).device
         self.name = cache_argument(model)
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        shape = (case.batch, case.prompt_len)
-        self.ids = torch.randint(0, model.config.vocab_size, shape, generator=generator).to(self.device)
+        self.ids = prompt_ids(case.batch, case.prompt_len, model.config.vocab_size, text_ids).to(self.device)
         self.token = self.ids[:, -1:]
         self.position = torch.full((case.batch, 1), case.prompt_len - 1, device=self.device)
         self.step = StepGraph(model, cache) if isinstance(cache, InfinigenCache) and case.graphs == "step" else None
@@ -257,6 +257,15 @@ class _Decoder:
         return statistics.median(times)
 
 
+def prompt_ids(batch: int, length: int, vocab_size: int, text_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(batch, length) prompts: consecutive slices of a tokenized text (T,), row after row, the text
+    repeated where it is short; random tokens (seeded) without one."""
+    if text_ids is None:
+        return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(batch * length).view(batch, length) % text_ids.numel()
+    return text_ids[positions]
+
+
 def case_settings(case: BenchCase) -> dict:
     """A result row's first columns: what the case ran (None where a setting does not apply)."""
     return {
@@ -269,18 +278,35 @@ def case_settings(case: BenchCase) -> dict:
         "attention_lookahead_layers": case.attention_lookahead_layers if case.policy in LOOKAHEAD else None,
         "partial_key_bits": case.partial_key_bits if case.policy in SPECULATING else None,
         "ratio": case.ratio if case.policy in SPECULATING else None,
+        # None: no threshold, the budget alone sets the count (random weights); else the count rule's alpha
+        "alpha": case.alpha if case.policy in SPECULATING and case.alpha < math.inf else None,
     }
 
 
+def run_repeated(
+    model: PreTrainedModel,
+    artifact: Artifact | None,
+    case: BenchCase,
+    repeats: int = 1,
+    text_ids: torch.Tensor | None = None,
+) -> dict:
+    """``run_case`` ``repeats`` times (each with its own cache and prefill): the median run's row
+    (the lower median for an even count), with every run's ms per step in ``ms_per_step_runs``."""
+    runs = sorted((run_case(model, artifact, case, text_ids) for _ in range(repeats)), key=lambda r: r["ms_per_step"])
+    return runs[(len(runs) - 1) // 2] | {"ms_per_step_runs": [r["ms_per_step"] for r in runs]}
+
+
 @torch.no_grad()
-def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase) -> dict:
+def run_case(
+    model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
+) -> dict:
     device = next(model.parameters()).device
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     cache = _make_cache(model, artifact, case)
-    decoder = _Decoder(model, cache, case)
+    decoder = _Decoder(model, cache, case, text_ids)
     prefill_s = decoder.prefill_seconds()
     prefill_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
@@ -316,14 +342,16 @@ def run_case(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase)
 
 
 @torch.no_grad()
-def breakdown(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase) -> dict:
+def breakdown(
+    model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
+) -> dict:
     """Where an offloaded decode step's time goes: the step as is, the same step with the row moves
     skipped (compute only), one step's row moves replayed back to back (transfer only), and the
     step refetching each layer's previous selection instead of selecting (speculation included):
     the selection's share of the step is what that saves."""
     device = next(model.parameters()).device
     cache = _make_cache(model, artifact, case)
-    decoder = _Decoder(model, cache, case)
+    decoder = _Decoder(model, cache, case, text_ids)
     decoder.prefill_seconds()
     full_step = decoder.step_seconds() * 1e3
     cache.select_rows = False

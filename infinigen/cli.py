@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import resource
 import sys
 import time
@@ -289,6 +290,28 @@ def bench(
         str,
         typer.Option(help="Random-weight model shape: opt-6.7b, opt-13b, opt-30b, llama-2-7b, llama-3-8b, tiny-llama."),
     ] = "llama-3-8b",
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Real weights instead of --shape: alias, Hub id, checkpoint folder or GGUF file "
+            "(speculating policies need --artifact)."
+        ),
+    ] = None,
+    artifact: Annotated[str | None, typer.Option(help="With --model: its artifact folder or Hub id.")] = None,
+    text: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --model: prompts cut from this text, consecutive slices row after row (repeated where "
+            "short). Default: random tokens."
+        ),
+    ] = None,
+    alpha: Annotated[
+        float | None,
+        typer.Option(help="Speculation threshold. Default: none with --shape (budget alone), the paper's with --model"),
+    ] = None,
+    repeat: Annotated[
+        int, typer.Option(help="Runs of each case (own cache and prefill each); the median run is reported.")
+    ] = 1,
     policies: Annotated[
         str,
         typer.Option(
@@ -348,23 +371,34 @@ def bench(
     """
     import torch
 
-    from infinigen.bench import bench_cases, pinned_bandwidth, random_model, run_case
+    from infinigen.bench import bench_cases, pinned_bandwidth, run_case, run_repeated
     from infinigen.bench import breakdown as split_step
-    from infinigen.models import parse_dtype, resolve_device
+    from infinigen.models import resolve_device
+    from infinigen.runtime import POLICIES
 
+    if repeat < 1:
+        raise InfinigenError(f"--repeat must be at least 1, got {repeat}")
     device = resolve_device(device)
-    model = random_model(shape, device, parse_dtype(dtype, device))
+    net, checked, text_ids = _bench_model(shape, model, artifact, text, ratio, device, dtype)
+    shape = shape if model is None else None
+    if model is None:  # random weights: no threshold unless given, the budget alone sets the count
+        alpha = math.inf if alpha is None else alpha
+    else:
+        from infinigen.runtime import RuntimeConfig
+
+        alpha = RuntimeConfig(alpha=alpha).for_model(net.config.model_type).alpha
+        ratio = str(checked.manifest.ratio) if checked is not None else ratio
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
-    report = {"shape": shape, "dtype": dtype, "device": card, "weights_gb": round(weights_gb, 2)}
+    weights_gb = sum(p.numel() * p.element_size() for p in net.parameters()) / 1e9
+    report = {"shape": shape, "model": model, "dtype": dtype, "device": card, "weights_gb": round(weights_gb, 2)}
     if micro:
         contexts = _numbers(micro_contexts, "--micro-contexts", int)
-        report |= _micro(model, device, contexts, _numbers(budgets, "--budgets")[0])
+        report |= _micro(net, device, contexts, _numbers(budgets, "--budgets")[0])
         if not _printed_json(report, as_json):
             _print_micro(report)
         return
     cases = bench_cases(
-        _policy_settings(policies, budgets, None),
+        _policy_settings(policies, budgets, alpha),
         _numbers(batch, "--batch", int),
         _numbers(prompt_len, "--prompt-len", int),
         gen_len,
@@ -374,18 +408,23 @@ def bench(
         partial_key_bits=tuple(_numbers(partial_key_bits, "--partial-key-bits", int)),
         ratios=tuple(_numbers(ratio, "--ratio")),
     )
-    artifacts = {r: _random_artifact(model, shape, r) for r in sorted({case.ratio for case in cases})}
+    if model is None:
+        artifacts = {r: _random_artifact(net, shape, r) for r in sorted({case.ratio for case in cases})}
+    else:
+        artifacts = {case.ratio: checked for case in cases}
+        if checked is None and any(POLICIES[c.policy].speculates for c in cases if c.policy in POLICIES):
+            raise InfinigenError("speculating policies need the model's artifact: pass --artifact")
     report["pinned_h2d_gb_s"] = round(pinned_bandwidth(device), 1)
     # The first case of a process runs slower (one-time library and autotuning work): an untimed
     # short run of it goes first.
-    run_case(model, artifacts[cases[0].ratio], replace(cases[0], gen_len=2, warmup=1))
+    run_case(net, artifacts[cases[0].ratio], replace(cases[0], gen_len=2, warmup=1), text_ids)
     rows = []
     for case in cases:
-        rows.append(run_case(model, artifacts[case.ratio], case))
+        rows.append(run_repeated(net, artifacts[case.ratio], case, repeat, text_ids))
         # progress on stderr, also with --json: a run cut off by a time limit keeps its rows
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     splits = [
-        split_step(model, artifacts[case.ratio], case)
+        split_step(net, artifacts[case.ratio], case, text_ids)
         for case in cases
         if breakdown and case.policy in ("full", "infinigen")
     ]
@@ -397,6 +436,25 @@ def bench(
     if _printed_json(report, as_json):
         return
     _print_bench(report)
+
+
+def _bench_model(shape: str, model: str | None, artifact: str | None, text: Path | None, ratio: str, device, dtype):
+    """The benchmarked model, its checked artifact (None for random shapes: `_random_artifact` per
+    ratio) and the token ids of --text (None: random prompts)."""
+    from infinigen.bench import random_model
+    from infinigen.evaluate import read_text
+    from infinigen.models import parse_dtype
+    from infinigen.prepare import DEFAULT_RATIO
+
+    if model is None:
+        if artifact is not None or text is not None:
+            raise InfinigenError("--artifact and --text go with --model (random shapes calibrate their own artifacts)")
+        return random_model(shape, device, parse_dtype(dtype, device)), None, None
+    if ratio != str(DEFAULT_RATIO):
+        raise InfinigenError("--ratio sweeps random artifacts (--shape); with --model the artifact sets it")
+    loaded, checked = _load_for_eval(model, artifact, device, dtype)
+    text_ids = loaded.tokenizer(read_text(text), return_tensors="pt").input_ids[0] if text is not None else None
+    return loaded.model, checked, text_ids
 
 
 def _random_artifact(model, shape: str, ratio: float):
@@ -473,8 +531,9 @@ def _print_bench(report: dict) -> None:
         row | ({"share_of_pinned": f"{row['h2d_gb_s'] / bandwidth:.0%}"} if measured and "h2d_gb_s" in row else {})
         for row in report["results"]
     ]
-    title = f"{report['shape']} {report['dtype']} on {report['device']}"
+    title = f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}"
     swept = {key: key for key in SWEPT_SETTINGS if len({row.get(key) for row in rows} - {None}) > 1}
+    swept |= {"alpha": "alpha"} if any(row.get("alpha") is not None for row in rows) else {}  # real weights
     columns = dict(list(BENCH_COLUMNS.items())[:2]) | swept | BENCH_COLUMNS  # what the sweeps vary, after the budget
     _print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), columns, rows)
     if report["breakdown"]:

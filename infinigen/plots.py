@@ -51,7 +51,7 @@ def plot_bench(report: dict, path: str | Path) -> Path:
     by_batch.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s")
     by_batch.set_title(f"context {longest}")
     by_batch.legend(fontsize=8)
-    figure.suptitle(f"{report['shape']} {report['dtype']} on {report['device']}")
+    figure.suptitle(f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}")
     return _save(figure, plt, path)
 
 

@@ -230,6 +230,51 @@ def test_bench_sweeps_and_plots(tmp_path):
     assert invoke("plot", str(report), "--out", str(replot)).exit_code == 0 and replot.exists()
 
 
+def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_path):
+    """--model runs real weights with their artifact and the family's alpha (reported per row), on
+    prompts cut from --text; --repeat keeps the median of its runs."""
+    from infinigen.bench import prompt_ids
+    from infinigen.runtime import RuntimeConfig
+
+    folder, out, text = checkpoint("qwen2"), tmp_path / "skewed", tmp_path / "book.txt"
+    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+    text.write_text("the old house on the corner of the street stood there for a hundred years " * 20)
+    args = ["bench", "--model", str(folder), "--artifact", str(out), "--text", str(text), "--device", "cpu"]
+    args += ["--dtype", "float32", "--batch", "2", "--prompt-len", "48", "--gen-len", "2", "--repeat", "3"]
+    result = invoke(*args, "--policies", "dense,infinigen", "--budgets", "0.5", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["model"] == str(folder) and report["shape"] is None
+    dense, infinigen = report["results"]
+    family_alpha = RuntimeConfig().for_model("qwen2").alpha
+    assert dense["alpha"] is None and infinigen["alpha"] == family_alpha  # the paper's count rule, stated
+    assert 0 < infinigen["fraction_fetched"] <= 0.5 + 1 / 48
+    runs = infinigen["ms_per_step_runs"]
+    assert len(runs) == 3 and runs == sorted(runs) and infinigen["ms_per_step"] == runs[1]
+    # the prompts: consecutive slices of the text, row after row, wrapping where it is short
+    ids = torch.arange(5)
+    assert prompt_ids(2, 3, 99, ids).tolist() == [[0, 1, 2], [3, 4, 0]]
+    assert prompt_ids(2, 3, 99).tolist() == prompt_ids(2, 3, 99).tolist()  # random, seeded
+    plain = invoke(*args, "--policies", "infinigen", "--budgets", "0.5", "--alpha", "1e9")
+    assert plain.exit_code == 0 and "alpha" in plain.output and "1000000000.0" in plain.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("--shape tiny-llama --text book.txt", "--artifact and --text go with --model"),
+        ("--model {folder} --ratio 0.3", "with --model the artifact sets it"),
+        ("--model {folder} --policies infinigen", "speculating policies need the model's artifact"),
+        ("--shape tiny-llama --repeat 0", "--repeat must be at least 1"),
+    ],
+)
+def test_bench_refuses_bad_combinations(checkpoint, args, message):
+    folder = checkpoint("llama")
+    argv = ["bench", *args.format(folder=folder).split(), "--device", "cpu", "--dtype", "float32"]
+    result = runner.invoke(app, [*argv, "--prompt-len", "32", "--gen-len", "1"])
+    assert result.exit_code != 0 and message in " ".join(result.output.split())
+
+
 def test_bench_runtime_sweeps_multiply_only_the_policies_they_change():
     args = "--batch 1 --prompt-len 32 --gen-len 1 --policies dense,full,infinigen --budgets 0.5"
     sweeps = "--ratio 0.3,0.5 --partial-key-bits 8,16 --lookahead-from input,attention --attention-lookahead-layers 0,1"
