@@ -105,10 +105,11 @@ def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel
     return model.eval()
 
 
-def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """GB/s of one large pinned host->device copy (median of ``repeats``)."""
+def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
+    """GB/s of one large pinned host->device copy (median of ``repeats``); None without a GPU (no
+    host->device link to measure; the reports stay strict JSON)."""
     if not device.startswith("cuda"):
-        return float("nan")
+        return None
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     times = []
@@ -404,7 +405,7 @@ def micro_gather(
     same run's pinned bulk copy: GB/s and share of the bulk bandwidth per context and fraction."""
     from infinigen.runtime.pool import KVPool
 
-    bulk = pinned_bandwidth(device)  # NaN on CPU
+    bulk = pinned_bandwidth(device)  # None on CPU
     rows = []
     generator = torch.Generator().manual_seed(0)
     for context in contexts:
@@ -424,7 +425,7 @@ def micro_gather(
                     "bytes": nbytes,
                     "ms": round(ms, 3),
                     "gb_s": round(nbytes / ms / 1e6, 1),
-                    "share_of_bulk": round(nbytes / ms / 1e6 / bulk, 3),
+                    "share_of_bulk": round(nbytes / ms / 1e6 / bulk, 3) if bulk else None,
                 }
             )
     return rows

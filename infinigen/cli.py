@@ -414,7 +414,8 @@ def bench(
         artifacts = {case.ratio: checked for case in cases}
         if checked is None and any(POLICIES[c.policy].speculates for c in cases if c.policy in POLICIES):
             raise InfinigenError("speculating policies need the model's artifact: pass --artifact")
-    report["pinned_h2d_gb_s"] = round(pinned_bandwidth(device), 1)
+    bandwidth = pinned_bandwidth(device)
+    report["pinned_h2d_gb_s"] = round(bandwidth, 1) if bandwidth is not None else None
     # The first case of a process runs slower (one-time library and autotuning work): an untimed
     # short run of it goes first.
     run_case(net, artifacts[cases[0].ratio], replace(cases[0], gen_len=2, warmup=1), text_ids)
@@ -489,9 +490,13 @@ def _micro(model, device: str, contexts: list[int], budget: float) -> dict:
     }
 
 
+def _percent(share: float | None) -> str:
+    return "" if share is None else f"{share:.0%}"
+
+
 def _print_micro(report: dict) -> None:
     gather = [
-        row | {"mb": f"{row['bytes'] / 1e6:.2f}", "share": f"{row['share_of_bulk']:.0%}"} for row in report["gather"]
+        row | {"mb": f"{row['bytes'] / 1e6:.2f}", "share": _percent(row["share_of_bulk"])} for row in report["gather"]
     ]
     columns = {"context": "context", "fraction": "fraction", "MB": "mb", "ms": "ms", "GB/s": "gb_s"}
     _print_rows("selective gather, one layer", columns | {"of bulk copy": "share"}, gather)
@@ -526,7 +531,7 @@ BENCH_COLUMNS = {
 
 def _print_bench(report: dict) -> None:
     bandwidth = report["pinned_h2d_gb_s"]
-    measured = bandwidth == bandwidth  # NaN on CPU
+    measured = bandwidth is not None  # None on CPU
     rows = [
         row | ({"share_of_pinned": f"{row['h2d_gb_s'] / bandwidth:.0%}"} if measured and "h2d_gb_s" in row else {})
         for row in report["results"]

@@ -196,13 +196,23 @@ def bench(args: str):
     return invoke("bench", *["--shape", "tiny-llama", "--device", "cpu", "--dtype", "float32"], *args.split())
 
 
+def strict_json(text: str):
+    """A --json report, refusing NaN and infinities (not JSON: other tools reject them)."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} in a JSON report")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_bench_tiny_on_cpu():
     """A tiny benchmark run produces one row per policy and budget (no timing assertions)."""
     result = bench(
         "--batch 2 --prompt-len 64 --gen-len 2 --policies dense,full,infinigen --budgets 0.2,0.5 --breakdown --json"
     )
     assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    report = strict_json(result.stdout)
+    assert report["pinned_h2d_gb_s"] is None  # no host->device link on CPU
     splits = [(b["policy"], b["budget"], b["batch"], b["prompt_len"]) for b in report["breakdown"]]
     assert splits == [("full", None, 2, 64), ("infinigen", 0.2, 2, 64), ("infinigen", 0.5, 2, 64)]  # as the results
     assert all(b["compute_only_ms"] > 0 and b["transfer_only_ms"] > 0 for b in report["breakdown"])
@@ -243,7 +253,7 @@ def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_pat
     args += ["--dtype", "float32", "--batch", "2", "--prompt-len", "48", "--gen-len", "2", "--repeat", "3"]
     result = invoke(*args, "--policies", "dense,infinigen", "--budgets", "0.5", "--json")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    report = strict_json(result.stdout)
     assert report["model"] == str(folder) and report["shape"] is None
     dense, infinigen = report["results"]
     family_alpha = RuntimeConfig().for_model("qwen2").alpha
@@ -310,7 +320,8 @@ def test_bench_graphs_sweep_covers_our_caches_only():
 def test_bench_micro_on_cpu():
     result = bench("--micro --micro-contexts 64,128 --json")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    report = strict_json(result.stdout)
+    assert all(r["share_of_bulk"] is None for r in report["gather"])  # no pinned copy to compare with on CPU
     assert [(r["context"], r["fraction"]) for r in report["gather"][:2]] == [(64, 0.01), (64, 0.02)]
     assert len(report["gather"]) == 10 and all(r["ms"] > 0 and r["bytes"] > 0 for r in report["gather"])
     assert [r["context"] for r in report["speculation"]] == [64, 128]
