@@ -419,16 +419,20 @@ def bench(
     # The first case of a process runs slower (one-time library and autotuning work): an untimed
     # short run of it goes first.
     run_case(net, artifacts[cases[0].ratio], replace(cases[0], gen_len=2, warmup=1), text_ids)
-    rows = []
-    for case in cases:
-        rows.append(run_repeated(net, artifacts[case.ratio], case, repeat, text_ids))
-        # progress on stderr, also with --json: a run cut off by a time limit keeps its rows
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    splits = [
-        split_step(net, artifacts[case.ratio], case, text_ids)
-        for case in cases
-        if breakdown and case.policy in ("full", "infinigen")
-    ]
+    rows, splits = [], []
+    split_cases = [case for case in cases if breakdown and case.policy in ("full", "infinigen")]
+    with _progress(disable=as_json) as bar:
+        running = bar.add_task("cases", total=len(cases) + len(split_cases))
+        for case in cases:
+            bar.update(running, description=_case_label(case))
+            rows.append(run_repeated(net, artifacts[case.ratio], case, repeat, text_ids))
+            bar.advance(running)
+            if as_json:  # each row on stderr as it finishes: a run cut off by a time limit keeps its rows
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        for case in split_cases:
+            bar.update(running, description=f"{_case_label(case)}, breakdown")
+            splits.append(split_step(net, artifacts[case.ratio], case, text_ids))
+            bar.advance(running)
     report |= {"results": rows, "breakdown": splits}
     if plot is not None:
         from infinigen.plots import plot_bench
@@ -437,6 +441,14 @@ def bench(
     if _printed_json(report, as_json):
         return
     _print_bench(report)
+
+
+def _case_label(case) -> str:
+    """A bench case for the progress bar: policy (budget), batch x context."""
+    from infinigen.bench import BUDGETED
+
+    budget = f" {case.budget}" if case.policy in BUDGETED else ""
+    return f"{case.policy}{budget}, {case.batch} x {case.prompt_len}"
 
 
 def _bench_model(shape: str, model: str | None, artifact: str | None, text: Path | None, ratio: str, device, dtype):

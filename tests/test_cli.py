@@ -265,8 +265,8 @@ def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_pat
     ids = torch.arange(5)
     assert prompt_ids(2, 3, 99, ids).tolist() == [[0, 1, 2], [3, 4, 0]]
     assert prompt_ids(2, 3, 99).tolist() == prompt_ids(2, 3, 99).tolist()  # random, seeded
-    plain = invoke(*args, "--policies", "infinigen", "--budgets", "0.5", "--alpha", "1e9")
-    assert plain.exit_code == 0 and "alpha" in plain.output and "1000000000.0" in plain.output
+    given = invoke(*args, "--policies", "infinigen", "--budgets", "0.5", "--alpha", "1e9", "--repeat", "1", "--json")
+    assert given.exit_code == 0 and strict_json(given.stdout)["results"][0]["alpha"] == 1e9
 
 
 @pytest.mark.parametrize(
