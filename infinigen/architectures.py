@@ -20,8 +20,8 @@ from torch.nn import functional as F
 from infinigen.errors import InfinigenError
 
 ROPE_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-Norm = Callable[[torch.Tensor], torch.Tensor]  # a norm module, or a function computing the same
 SUPPORTED = ("opt", *ROPE_FAMILY)
+Norm = Callable[[torch.Tensor], torch.Tensor]  # a norm module, or a function computing the same
 
 
 @dataclass(frozen=True)
