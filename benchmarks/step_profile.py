@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from profiling import profiled_steps
 
-from infinigen.bench import BenchCase, _Decoder, _make_cache, random_model
+from infinigen.bench import random_model
 from infinigen.cli import _random_artifact
 
 STEPS = 5
@@ -23,22 +23,12 @@ def main(batch: int, context: int, budgets: list[float]) -> None:
     model = random_model("llama-3-8b", "cuda", torch.bfloat16)
     artifact = _random_artifact(model, "llama-3-8b", 0.5)
     for budget in budgets:
-        case = BenchCase("infinigen", batch, context, budget=budget, gen_len=8)
-        decoder = _Decoder(model, _make_cache(model, artifact, case), case)
-        with torch.no_grad():
-            decoder.prefill_seconds()
-            step_ms = decoder.step_seconds() * 1e3
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-                for _ in range(STEPS):
-                    decoder.forward(decoder.token)
-                torch.cuda.synchronize()
+        step_ms, profiler = profiled_steps(model, artifact, batch, context, budget, STEPS)
         events = profiler.key_averages()
         total = sum(e.self_device_time_total for e in events) / STEPS / 1e3
         print(f"\n{batch} x {context}, infinigen {budget}: step {step_ms:.2f} ms (median), kernel time {total:.2f} ms")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:45]:
             print(f"  {e.self_device_time_total / STEPS / 1e3:8.3f} ms  n={e.count // STEPS:4d}  {e.key[:100]}")
-        del decoder
         torch.cuda.empty_cache()
 
 

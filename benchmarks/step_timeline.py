@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from profiling import profiled_steps
 
-from infinigen.bench import BenchCase, _Decoder, _make_cache, random_model
+from infinigen.bench import random_model
 from infinigen.cli import _random_artifact
 
 STEPS = 6
@@ -27,16 +27,7 @@ STEPS = 6
 
 def kernels(batch: int, context: int, budget: float, model, artifact) -> tuple[float, list[dict]]:
     """The median step (ms) and the kernel events of ``STEPS`` profiled steps."""
-    case = BenchCase("infinigen", batch, context, budget=budget, gen_len=8)
-    decoder = _Decoder(model, _make_cache(model, artifact, case), case)
-    with torch.no_grad():
-        decoder.prefill_seconds()
-        step_ms = decoder.step_seconds() * 1e3
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-            for _ in range(STEPS):
-                decoder.forward(decoder.token)
-            torch.cuda.synchronize()
+    step_ms, profiler = profiled_steps(model, artifact, batch, context, budget, STEPS)
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     profiler.export_chrome_trace(str(trace))
     return step_ms, [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
