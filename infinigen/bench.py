@@ -3,8 +3,8 @@
 Random-weight models of known shapes are built directly on the device. Their attention is near
 uniform, so ``infinigen``'s token count then comes from the fixed budget (alpha = inf), as stated
 in the output (``alpha``: None). A real model runs with its artifact and the paper's alpha (or the
-one given), on prompts cut from a text. The pinned host->device bandwidth is measured in the same process, so every
-transfer rate can be read as a share of the PCIe limit.
+one given), on prompts cut from a text. The pinned host->device bandwidth is measured in the same
+process, so every transfer rate can be read as a share of the PCIe limit.
 """
 
 from __future__ import annotations
