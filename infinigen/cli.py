@@ -379,15 +379,8 @@ def bench(
     if repeat < 1:
         raise InfinigenError(f"--repeat must be at least 1, got {repeat}")
     device = resolve_device(device)
-    net, checked, text_ids = _bench_model(shape, model, artifact, text, ratio, device, dtype)
+    net, checked, text_ids, alpha, ratio = _bench_model(shape, model, artifact, text, alpha, ratio, device, dtype)
     shape = shape if model is None else None
-    if model is None:  # random weights: no threshold unless given, the budget alone sets the count
-        alpha = math.inf if alpha is None else alpha
-    else:
-        from infinigen.runtime import RuntimeConfig
-
-        alpha = RuntimeConfig(alpha=alpha).for_model(net.config.model_type).alpha
-        ratio = str(checked.manifest.ratio) if checked is not None else ratio
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     weights_gb = sum(p.numel() * p.element_size() for p in net.parameters()) / 1e9
     report = {"shape": shape, "model": model, "dtype": dtype, "device": card, "weights_gb": round(weights_gb, 2)}
@@ -451,23 +444,36 @@ def _case_label(case) -> str:
     return f"{case.policy}{budget}, {case.batch} x {case.prompt_len}"
 
 
-def _bench_model(shape: str, model: str | None, artifact: str | None, text: Path | None, ratio: str, device, dtype):
+def _bench_model(
+    shape: str,
+    model: str | None,
+    artifact: str | None,
+    text: Path | None,
+    alpha: float | None,
+    ratio: str,
+    device: str,
+    dtype: str,
+):
     """The benchmarked model, its checked artifact (None for random shapes: `_random_artifact` per
-    ratio) and the token ids of --text (None: random prompts)."""
+    ratio), the token ids of --text (None: random prompts), the alpha (random weights: none unless
+    given, the budget alone sets the count; real ones: the family's) and the ratio sweep."""
     from infinigen.bench import random_model
     from infinigen.evaluate import read_text
     from infinigen.models import parse_dtype
     from infinigen.prepare import DEFAULT_RATIO
+    from infinigen.runtime import RuntimeConfig
 
     if model is None:
         if artifact is not None or text is not None:
             raise InfinigenError("--artifact and --text go with --model (random shapes calibrate their own artifacts)")
-        return random_model(shape, device, parse_dtype(dtype, device)), None, None
+        net = random_model(shape, device, parse_dtype(dtype, device))
+        return net, None, None, math.inf if alpha is None else alpha, ratio
     if ratio != str(DEFAULT_RATIO):
         raise InfinigenError("--ratio sweeps random artifacts (--shape); with --model the artifact sets it")
     loaded, checked = _load_for_eval(model, artifact, device, dtype)
     text_ids = loaded.tokenizer(read_text(text), return_tensors="pt").input_ids[0] if text is not None else None
-    return loaded.model, checked, text_ids
+    alpha = RuntimeConfig(alpha=alpha).for_model(loaded.model.config.model_type).alpha
+    return loaded.model, checked, text_ids, alpha, str(checked.manifest.ratio) if checked is not None else ratio
 
 
 def _random_artifact(model, shape: str, ratio: float):
