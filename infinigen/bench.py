@@ -15,6 +15,7 @@ import itertools
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -292,9 +293,32 @@ def run_repeated(
     text_ids: torch.Tensor | None = None,
 ) -> dict:
     """``run_case`` ``repeats`` times (each with its own cache and prefill): the median run's row
-    (the lower median for an even count), with every run's ms per step in ``ms_per_step_runs``."""
-    runs = sorted((run_case(model, artifact, case, text_ids) for _ in range(repeats)), key=lambda r: r["ms_per_step"])
-    return runs[(len(runs) - 1) // 2] | {"ms_per_step_runs": [r["ms_per_step"] for r in runs]}
+    (the lower median for an even count), with every run's ms per step in ``ms_per_step_runs``.
+    A case that does not fit the GPU gives a row with ``error`` (see ``unless_out_of_memory``)."""
+
+    def runs() -> dict:
+        rows = [run_case(model, artifact, case, text_ids) for _ in range(repeats)]
+        rows.sort(key=lambda r: r["ms_per_step"])
+        return rows[(len(rows) - 1) // 2] | {"ms_per_step_runs": [r["ms_per_step"] for r in rows]}
+
+    return unless_out_of_memory(runs, case, next(model.parameters()).device)
+
+
+def unless_out_of_memory(run: Callable[[], dict], case: BenchCase, device: torch.device) -> dict:
+    """``run()``, or where the case does not fit the GPU, its settings with ``error``: a sweep goes
+    on past it (dense decoding is the ideal only where it fits)."""
+    try:
+        return run()
+    except torch.OutOfMemoryError:
+        pass  # leaving the handler drops the traceback's frames, and with them the case's tensors
+    _free_gpu_memory(device)
+    return case_settings(case) | {"error": "out of GPU memory"}
+
+
+def _free_gpu_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()
@@ -302,9 +326,8 @@ def run_case(
     model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
 ) -> dict:
     device = next(model.parameters()).device
-    gc.collect()
+    _free_gpu_memory(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     cache = _make_cache(model, artifact, case)
     decoder = _Decoder(model, cache, case, text_ids)

@@ -371,7 +371,7 @@ def bench(
     """
     import torch
 
-    from infinigen.bench import bench_cases, pinned_bandwidth, run_case, run_repeated
+    from infinigen.bench import bench_cases, pinned_bandwidth, run_case, run_repeated, unless_out_of_memory
     from infinigen.bench import breakdown as split_step
     from infinigen.models import resolve_device
     from infinigen.runtime import POLICIES
@@ -411,7 +411,8 @@ def bench(
     report["pinned_h2d_gb_s"] = round(bandwidth, 1) if bandwidth is not None else None
     # The first case of a process runs slower (one-time library and autotuning work): an untimed
     # short run of it goes first.
-    run_case(net, artifacts[cases[0].ratio], replace(cases[0], gen_len=2, warmup=1), text_ids)
+    first = replace(cases[0], gen_len=2, warmup=1)
+    unless_out_of_memory(lambda: run_case(net, artifacts[first.ratio], first, text_ids), first, net.device)
     rows, splits = [], []
     split_cases = [case for case in cases if breakdown and case.policy in ("full", "infinigen")]
     with _progress(disable=as_json) as bar:
@@ -424,7 +425,8 @@ def bench(
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         for case in split_cases:
             bar.update(running, description=f"{_case_label(case)}, breakdown")
-            splits.append(split_step(net, artifacts[case.ratio], case, text_ids))
+            split = functools.partial(split_step, net, artifacts[case.ratio], case, text_ids)
+            splits.append(unless_out_of_memory(split, case, net.device))
             bar.advance(running)
     report |= {"results": rows, "breakdown": splits}
     if plot is not None:
@@ -558,12 +560,14 @@ def _print_bench(report: dict) -> None:
     swept = {key: key for key in SWEPT_SETTINGS if len({row.get(key) for row in rows} - {None}) > 1}
     swept |= {"alpha": "alpha"} if any(row.get("alpha") is not None for row in rows) else {}  # real weights
     columns = dict(list(BENCH_COLUMNS.items())[:2]) | swept | BENCH_COLUMNS  # what the sweeps vary, after the budget
+    columns |= {"error": "error"} if any("error" in row for row in rows) else {}  # cases that did not fit
     _print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), columns, rows)
     if report["breakdown"]:
         columns = {"policy": "policy", "budget": "budget"} | swept | {"batch": "batch", "context": "prompt_len"}
         columns |= {"step ms": "step_ms", "compute-only ms": "compute_only_ms"}
         columns |= {"transfer-only ms": "transfer_only_ms", "step / max": "step_over_max"}
         columns |= {"no-selection ms": "without_selection_ms", "selection share": "selection_share"}
+        columns |= {"error": "error"} if any("error" in row for row in report["breakdown"]) else {}
         _print_rows("where the step goes", columns, report["breakdown"])
 
 

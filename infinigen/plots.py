@@ -34,22 +34,29 @@ def _lines(rows: list[dict], x: str, y: str) -> dict[str, tuple[list[float], lis
     return {label: ([p[0] for p in sorted(ps)], [p[1] for p in sorted(ps)]) for label, ps in series.items()}
 
 
+def _widest_sweep(rows: list[dict], fixed: str, swept: str):
+    """The value of ``fixed`` whose rows sweep the most values of ``swept`` (the largest on ties):
+    a report joining a context sweep at one batch and a batch sweep at one context plots both."""
+    values = defaultdict(set)
+    for row in rows:
+        values[row[fixed]].add(row[swept])
+    return max(values, key=lambda value: (len(values[value]), value))
+
+
 def plot_bench(report: dict, path: str | Path) -> Path:
     """Decode tokens/s vs context length and vs batch, one line per policy (and budget)."""
     plt = _pyplot()
     rows = report["results"]
-    batches = sorted({r["batch"] for r in rows})
-    contexts = sorted({r["prompt_len"] for r in rows})
+    batch, context = _widest_sweep(rows, "batch", "prompt_len"), _widest_sweep(rows, "prompt_len", "batch")
     figure, (by_context, by_batch) = plt.subplots(1, 2, figsize=(11, 4.2))
-    widest_batch, longest = batches[-1], contexts[-1]
-    for label, points in _lines([r for r in rows if r["batch"] == widest_batch], "prompt_len", "decode_tok_s").items():
+    for label, points in _lines([r for r in rows if r["batch"] == batch], "prompt_len", "decode_tok_s").items():
         by_context.plot(*points, marker="o", label=label)
-    for label, points in _lines([r for r in rows if r["prompt_len"] == longest], "batch", "decode_tok_s").items():
+    for label, points in _lines([r for r in rows if r["prompt_len"] == context], "batch", "decode_tok_s").items():
         by_batch.plot(*points, marker="o", label=label)
     by_context.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="decode tokens/s")
-    by_context.set_title(f"batch {widest_batch}")
+    by_context.set_title(f"batch {batch}")
     by_batch.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s")
-    by_batch.set_title(f"context {longest}")
+    by_batch.set_title(f"context {context}")
     by_batch.legend(fontsize=8)
     figure.suptitle(f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}")
     return _save(figure, plt, path)

@@ -328,6 +328,45 @@ def test_bench_micro_on_cpu():
     assert all(r["speculation_ms"] > 0 and r["dense_layer_ms"] > 0 for r in report["speculation"])
 
 
+def test_bench_goes_on_past_a_case_that_does_not_fit(monkeypatch):
+    """A sweep reaches sizes where dense decoding does not fit the GPU: that case becomes a row with
+    its error, and the cases after it still run."""
+    import infinigen.bench
+
+    real_run_case = infinigen.bench.run_case
+
+    def run_case(model, artifact, case, text_ids=None):
+        if case.policy == "dense" and case.batch == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return real_run_case(model, artifact, case, text_ids)
+
+    monkeypatch.setattr(infinigen.bench, "run_case", run_case)
+    result = bench("--batch 1,2 --prompt-len 32 --gen-len 1 --policies dense,full --breakdown --json")
+    assert result.exit_code == 0, result.output
+    report = strict_json(result.stdout)
+    rows = {(r["policy"], r["batch"]): r for r in report["results"]}
+    assert rows[("dense", 2)]["error"] == "out of GPU memory" and "ms_per_step" not in rows[("dense", 2)]
+    assert all("error" not in row and row["ms_per_step"] > 0 for key, row in rows.items() if key != ("dense", 2))
+    assert [b["batch"] for b in report["breakdown"]] == [1, 2]  # full's breakdown at both batches
+    from rich.console import Console
+
+    from infinigen import cli
+
+    monkeypatch.setattr(cli, "console", Console(width=400))  # no cell folded over lines
+    table = bench("--batch 2 --prompt-len 32 --gen-len 1 --policies full,dense")
+    assert table.exit_code == 0 and "out of GPU memory" in table.stdout
+
+
+def test_bench_plot_picks_the_sweeps_of_a_joined_report():
+    """A context sweep at batch 1 joined with a batch sweep at 8K plots both sweeps."""
+    from infinigen.plots import _widest_sweep
+
+    rows = [{"batch": 1, "prompt_len": n} for n in (8192, 32768, 131072)]
+    rows += [{"batch": b, "prompt_len": 8192} for b in (4, 8, 16, 32)]
+    assert _widest_sweep(rows, "batch", "prompt_len") == 1
+    assert _widest_sweep(rows, "prompt_len", "batch") == 8192
+
+
 def test_generate_out_of_memory_is_one_line(prepared, tmp_path, monkeypatch):
     from transformers import LlamaForCausalLM
 
