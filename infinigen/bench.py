@@ -13,6 +13,7 @@ import functools
 import gc
 import itertools
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -309,10 +310,12 @@ def unless_out_of_memory(run: Callable[[], dict], case: BenchCase, device: torch
     on past it (dense decoding is the ideal only where it fits)."""
     try:
         return run()
-    except torch.OutOfMemoryError:
-        pass  # leaving the handler drops the traceback's frames, and with them the case's tensors
+    except torch.OutOfMemoryError as exc:
+        wanted = re.search(r"allocate ([\d.]+ \w+)", str(exc))
+        error = "out of GPU memory" + (f" allocating {wanted[1]}" if wanted else "")
+    # out of the handler: the traceback's frames are gone, and with them the case's tensors
     _free_gpu_memory(device)
-    return case_settings(case) | {"error": "out of GPU memory"}
+    return case_settings(case) | {"error": error}
 
 
 def _free_gpu_memory(device: torch.device) -> None:

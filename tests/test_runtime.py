@@ -261,6 +261,24 @@ def test_plain_generate_still_works_after_install(tokenizer):
     assert torch.equal(greedy(model, ids), before)
 
 
+def test_a_failed_forward_keeps_no_reference_to_its_cache(tokenizer, monkeypatch):
+    """A forward that raises in a layer (out of GPU memory, say) leaves no reference to its cache in
+    the model: a caller that catches the error and retries smaller gets the memory back."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    cache = cache_for(model, artifact)
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(decoder_layers(model)[1].mlp, "forward", no_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        model(torch.randint(3, 512, (1, 12)), **{cache_argument(model): cache})
+    released = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert released() is None
+
+
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
 def test_chunked_prefill_is_exact(tokenizer, policy, device):
     """transformers' chunked prefill: later chunks attend over the pool's rows; same tokens as dense."""

@@ -377,13 +377,13 @@ def install(model: PreTrainedModel) -> None:
     for j, block in enumerate(blocks):
         block.register_forward_pre_hook(_step_hook(j, norms), with_kwargs=True)
         mlp_norm(block).register_forward_pre_hook(_after_attention_hook(j, norms, block.self_attn))
-        block.register_forward_hook(_unbind)
+        block.register_forward_hook(_unbind, always_call=True)  # also when the layer raised (out of memory)
     model._infinigen_installed = True
 
 
 def _unbind(block: nn.Module, args, output) -> None:
-    """After a decoder layer: drop its reference to the cache, so that a finished cache (and its
-    GPU buffers) is freed as soon as the caller lets go of it."""
+    """After a decoder layer, or its exception: drop its reference to the cache, so that a finished
+    or failed cache (and its GPU buffers) is freed as soon as the caller lets go of it."""
     block.self_attn._infinigen_cache = None
 
 
