@@ -319,9 +319,14 @@ def unless_out_of_memory(run: Callable[[], dict], case: BenchCase, device: torch
 
 
 def _free_gpu_memory(device: torch.device) -> None:
+    """Between cases: the device's cached blocks, and (torch >= 2.12) the pinned host blocks the
+    last case's pool left cached, which would otherwise add up over a sweep's sizes."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
 
 
 @torch.no_grad()

@@ -57,9 +57,21 @@ def plot_bench(report: dict, path: str | Path) -> Path:
     by_context.set_title(f"batch {batch}")
     by_batch.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s")
     by_batch.set_title(f"context {context}")
+    _tick_at(by_context, sorted({r["prompt_len"] for r in rows if r["batch"] == batch}), _tokens)
+    _tick_at(by_batch, sorted({r["batch"] for r in rows if r["prompt_len"] == context}), str)
     by_batch.legend(fontsize=8)
     figure.suptitle(f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}")
     return _save(figure, plt, path)
+
+
+def _tick_at(axes, values: list[int], label) -> None:
+    """x ticks at the swept values only (a log axis would tick at powers of ten)."""
+    axes.set_xticks(values, [label(v) for v in values])
+    axes.minorticks_off()
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def plot_tasks(report: dict, path: str | Path) -> Path:
