@@ -314,11 +314,11 @@ def unless_out_of_memory(run: Callable[[], dict], case: BenchCase, device: torch
         wanted = re.search(r"allocate ([\d.]+ \w+)", str(exc))
         error = "out of GPU memory" + (f" allocating {wanted[1]}" if wanted else "")
     # out of the handler: the traceback's frames are gone, and with them the case's tensors
-    _free_gpu_memory(device)
+    _release_cached_memory(device)
     return case_settings(case) | {"error": error}
 
 
-def _free_gpu_memory(device: torch.device) -> None:
+def _release_cached_memory(device: torch.device) -> None:
     """Between cases: the device's cached blocks, and (torch >= 2.12) the pinned host blocks the
     last case's pool left cached, which would otherwise add up over a sweep's sizes."""
     gc.collect()
@@ -334,7 +334,7 @@ def run_case(
     model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
 ) -> dict:
     device = next(model.parameters()).device
-    _free_gpu_memory(device)
+    _release_cached_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = _make_cache(model, artifact, case)

@@ -412,7 +412,7 @@ def bench(
     # The first case of a process runs slower (one-time library and autotuning work): an untimed
     # short run of it goes first.
     first = replace(cases[0], gen_len=2, warmup=1)
-    unless_out_of_memory(lambda: run_case(net, artifacts[first.ratio], first, text_ids), first, net.device)
+    unless_out_of_memory(functools.partial(run_case, net, artifacts[first.ratio], first, text_ids), first, net.device)
     rows, splits = [], []
     split_cases = [case for case in cases if breakdown and case.policy in ("full", "infinigen")]
     with _progress(disable=as_json) as bar:

@@ -9,10 +9,12 @@ import pytest
 import torch
 from conftest import tiny_model
 from huggingface_hub import HfApi
+from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from infinigen import __version__
+import infinigen.bench
+from infinigen import __version__, cli
 from infinigen.artifacts import load_artifact
 from infinigen.cli import app
 
@@ -28,7 +30,6 @@ def test_command_defaults_are_the_library_defaults():
     the library's."""
     import inspect
 
-    from infinigen import cli
     from infinigen.prepare import DEFAULT_RATIO
     from infinigen.runtime import RuntimeConfig
 
@@ -331,8 +332,6 @@ def test_bench_micro_on_cpu():
 def test_bench_goes_on_past_a_case_that_does_not_fit(monkeypatch):
     """A sweep reaches sizes where dense decoding does not fit the GPU: that case becomes a row with
     its error, and the cases after it still run."""
-    import infinigen.bench
-
     real_run_case = infinigen.bench.run_case
 
     def run_case(model, artifact, case, text_ids=None):
@@ -349,10 +348,6 @@ def test_bench_goes_on_past_a_case_that_does_not_fit(monkeypatch):
     assert "ms_per_step" not in rows[("dense", 2)]
     assert all("error" not in row and row["ms_per_step"] > 0 for key, row in rows.items() if key != ("dense", 2))
     assert [b["batch"] for b in report["breakdown"]] == [1, 2]  # full's breakdown at both batches
-    from rich.console import Console
-
-    from infinigen import cli
-
     monkeypatch.setattr(cli, "console", Console(width=400))  # no cell folded over lines
     table = bench("--batch 2 --prompt-len 32 --gen-len 1 --policies full,dense")
     assert table.exit_code == 0 and "out of GPU memory" in table.stdout
