@@ -406,6 +406,9 @@ def breakdown(
         "step_over_max": round(full_step / max(compute_only, transfer_only), 3),
         "without_selection_ms": round(without_selection, 2),
         "selection_share": round(1 - without_selection / full_step, 3),
+        # the same saving per offloaded layer: what speculating (or any policy's selecting) costs one
+        # layer of a decode step in wall time, beside the compute
+        "selection_ms_per_layer": round((full_step - without_selection) / max(cache.n_offloaded, 1), 4),
     }
 
 

@@ -567,6 +567,7 @@ def _print_bench(report: dict) -> None:
         columns |= {"step ms": "step_ms", "compute-only ms": "compute_only_ms"}
         columns |= {"transfer-only ms": "transfer_only_ms", "step / max": "step_over_max"}
         columns |= {"no-selection ms": "without_selection_ms", "selection share": "selection_share"}
+        columns |= {"selection ms/layer": "selection_ms_per_layer"}
         columns |= {"error": "error"} if any("error" in row for row in report["breakdown"]) else {}
         _print_rows("where the step goes", columns, report["breakdown"])
 

@@ -218,6 +218,9 @@ def test_bench_tiny_on_cpu():
     assert splits == [("full", None, 2, 64), ("infinigen", 0.2, 2, 64), ("infinigen", 0.5, 2, 64)]  # as the results
     assert all(b["compute_only_ms"] > 0 and b["transfer_only_ms"] > 0 for b in report["breakdown"])
     assert all(b["without_selection_ms"] > 0 and b["selection_share"] < 1 for b in report["breakdown"])
+    for b in report["breakdown"]:  # the step's saving without selecting, per offloaded layer (2 of 4 here)
+        saving = b["step_ms"] - b["without_selection_ms"]  # both rounded to 0.01 ms
+        assert b["selection_ms_per_layer"] == pytest.approx(saving / 2, abs=0.006)
     rows = {(r["policy"], r["budget"]): r for r in report["results"]}
     assert set(rows) == {("dense", None), ("full", None), ("infinigen", 0.2), ("infinigen", 0.5)}
     assert rows[("full", None)]["fraction_fetched"] == 1.0
