@@ -240,7 +240,11 @@ def _printed_json(report, as_json: bool) -> bool:
 
 
 def _print_rows(title: str, columns: dict[str, str], rows: list[dict]) -> None:
-    """A table of ``rows``: one column per header, showing that row key (blank where missing)."""
+    """A table of ``rows``: one column per header, showing that row key (blank where missing); a
+    column no row has a value for is left out (on the CPU, the GPU's columns; with captured steps, the
+    eager wait)."""
+    if rows:
+        columns = {header: key for header, key in columns.items() if any(row.get(key) is not None for row in rows)}
     table = Table(title=title)
     for header in columns:
         table.add_column(header, overflow="fold")  # narrow terminals wrap values, never cut them
@@ -546,6 +550,7 @@ BENCH_COLUMNS = {
     "wait ms/step": "wait_ms_per_step",
     "prefill s": "prefill_s",
     "peak GPU GB": "decode_peak_gpu_gb",
+    "error": "error",  # a case that did not fit
 }
 
 
@@ -558,17 +563,15 @@ def _print_bench(report: dict) -> None:
     ]
     title = f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}"
     swept = {key: key for key in SWEPT_SETTINGS if len({row.get(key) for row in rows} - {None}) > 1}
-    swept |= {"alpha": "alpha"} if any(row.get("alpha") is not None for row in rows) else {}  # real weights
+    swept |= {"alpha": "alpha"}  # real weights only (None with random ones: the column is left out)
     columns = dict(list(BENCH_COLUMNS.items())[:2]) | swept | BENCH_COLUMNS  # what the sweeps vary, after the budget
-    columns |= {"error": "error"} if any("error" in row for row in rows) else {}  # cases that did not fit
     _print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), columns, rows)
     if report["breakdown"]:
         columns = {"policy": "policy", "budget": "budget"} | swept | {"batch": "batch", "context": "prompt_len"}
         columns |= {"step ms": "step_ms", "compute-only ms": "compute_only_ms"}
         columns |= {"transfer-only ms": "transfer_only_ms", "step / max": "step_over_max"}
         columns |= {"no-selection ms": "without_selection_ms", "selection share": "selection_share"}
-        columns |= {"selection ms/layer": "selection_ms_per_layer"}
-        columns |= {"error": "error"} if any("error" in row for row in report["breakdown"]) else {}
+        columns |= {"selection ms/layer": "selection_ms_per_layer", "error": "error"}
         _print_rows("where the step goes", columns, report["breakdown"])
 
 

@@ -206,7 +206,7 @@ def strict_json(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def test_bench_tiny_on_cpu():
+def test_bench_tiny_on_cpu(monkeypatch):
     """A tiny benchmark run produces one row per policy and budget (no timing assertions)."""
     result = bench(
         "--batch 2 --prompt-len 64 --gen-len 2 --policies dense,full,infinigen --budgets 0.2,0.5 --breakdown --json"
@@ -227,8 +227,10 @@ def test_bench_tiny_on_cpu():
     assert 0 < rows[("infinigen", 0.2)]["fraction_fetched"] < rows[("infinigen", 0.5)]["fraction_fetched"] <= 0.51
     progress = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     assert progress == report["results"]  # each row on stderr as it finishes: a cut-off run keeps them
+    monkeypatch.setattr(cli, "console", Console(width=400))  # no cell folded over lines
     table = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies full")
     assert table.exit_code == 0 and "tiny-llama float32 on cpu" in table.stdout
+    assert "ms/step" in table.stdout and "peak GPU GB" not in table.stdout  # no GPU: its column left out
 
 
 def test_bench_sweeps_and_plots(tmp_path):
