@@ -140,6 +140,7 @@ class BenchCase:
     attention_lookahead_layers: int = RuntimeConfig.attention_lookahead_layers
     partial_key_bits: int = RuntimeConfig.partial_key_bits
     ratio: float = DEFAULT_RATIO  # the artifact's partial channels (speculating policies)
+    reuse_rows: bool = RuntimeConfig.reuse_rows  # budgeted policies: rows stay on the GPU between steps
 
     def __post_init__(self) -> None:
         if self.graphs not in GRAPHS:
@@ -157,21 +158,25 @@ def bench_cases(
     attention_lookahead_layers: tuple[int, ...] = (RuntimeConfig.attention_lookahead_layers,),
     partial_key_bits: tuple[int, ...] = (RuntimeConfig.partial_key_bits,),
     ratios: tuple[float, ...] = (DEFAULT_RATIO,),
+    reuse_rows: tuple[bool, ...] = (RuntimeConfig.reuse_rows,),
 ) -> list[BenchCase]:
     """Every context x batch x policy setting; the runtime-option sweeps multiply only the policies
     they change (ratio and partial-key bits: speculating policies; lookahead_from and
-    attention_lookahead_layers: offloading ones that select one layer ahead; graphs: our caches)."""
+    attention_lookahead_layers: offloading ones that select one layer ahead; reuse_rows: budgeted
+    ones; graphs: our caches)."""
     cases = []
     for n, b, setting in itertools.product(prompt_lens, batches, settings):
         policy = POLICIES.get(setting["policy"])  # None: transformers' own caches
         speculates = policy is not None and policy.speculates
         looks_ahead = policy is not None and policy.offloads and policy.lookahead
-        for ratio, bits, source, attention_layers, graph in itertools.product(
+        budgeted = policy is not None and policy.budgeted and policy.codec is None
+        for ratio, bits, source, attention_layers, graph, reuse in itertools.product(
             ratios if speculates else ratios[:1],
             partial_key_bits if speculates else partial_key_bits[:1],
             lookahead_from if looks_ahead else lookahead_from[:1],
             attention_lookahead_layers if looks_ahead else attention_lookahead_layers[:1],
             graphs if policy is not None else graphs[:1],
+            reuse_rows if budgeted else reuse_rows[:1],
         ):
             cases.append(
                 BenchCase(
@@ -186,6 +191,7 @@ def bench_cases(
                     attention_lookahead_layers=attention_layers,
                     partial_key_bits=bits,
                     ratio=ratio,
+                    reuse_rows=reuse,
                 )
             )
     return cases
@@ -206,6 +212,7 @@ def _make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCa
         lookahead_from=case.lookahead_from,
         attention_lookahead_layers=case.attention_lookahead_layers,
         partial_key_bits=case.partial_key_bits,
+        reuse_rows=case.reuse_rows,
     )
 
 
@@ -281,6 +288,7 @@ def case_settings(case: BenchCase) -> dict:
         "attention_lookahead_layers": case.attention_lookahead_layers if case.policy in LOOKAHEAD else None,
         "partial_key_bits": case.partial_key_bits if case.policy in SPECULATING else None,
         "ratio": case.ratio if case.policy in SPECULATING else None,
+        "reuse_rows": case.reuse_rows if case.policy in BUDGETED else None,
         # None: no threshold, the budget alone sets the count (random weights); else the count rule's alpha
         "alpha": case.alpha if case.policy in SPECULATING and case.alpha < math.inf else None,
     }
@@ -363,7 +371,7 @@ def run_case(
         result |= {
             "fraction_fetched": stats["fraction_fetched"],
             "fraction_bytes": stats["fraction_bytes"],
-            "h2d_mb_per_step": round(per_step / 1e6, 1),
+            "h2d_mb_per_step": round(per_step / 1e6, 3),
             "h2d_gb_s": round(per_step / step_s / 1e9, 1),
             # timed on eager steps only: a replayed step's waits are inside its graph (see --breakdown)
             "wait_ms_per_step": None if stats["replayed_steps"] else round(stats["prefetch_wait_ms"] / steps, 2),
@@ -380,7 +388,8 @@ def breakdown(
     """Where an offloaded decode step's time goes: the step as is, the same step with the row moves
     skipped (compute only), one step's row moves replayed back to back (transfer only), and the
     step refetching each layer's previous selection instead of selecting (speculation included):
-    the selection's share of the step is what that saves."""
+    the selection's share of the step is what that saves. (With row reuse a refetched selection
+    moves nothing, so that share then counts the row moves too.)"""
     device = next(model.parameters()).device
     cache = _make_cache(model, artifact, case)
     decoder = _Decoder(model, cache, case, text_ids)

@@ -362,6 +362,10 @@ def bench(
     ratio: Annotated[
         str, typer.Option(help="Partial channels as a share of head_dim, comma-separated (one random artifact each).")
     ] = "0.5",
+    reuse_rows: Annotated[
+        str,
+        typer.Option(help="off | on, or off,on (a sweep): budgeted policies keep their rows on the GPU between steps."),
+    ] = "off",
     as_json: JsonOpt = False,
 ) -> None:
     """Decode throughput of each policy on one random-weight model, in one run, with the pinned
@@ -404,6 +408,7 @@ def bench(
         attention_lookahead_layers=tuple(_numbers(attention_lookahead_layers, "--attention-lookahead-layers", int)),
         partial_key_bits=tuple(_numbers(partial_key_bits, "--partial-key-bits", int)),
         ratios=tuple(_numbers(ratio, "--ratio")),
+        reuse_rows=tuple(_switch(value, "--reuse-rows") for value in _numbers(reuse_rows, "--reuse-rows", str)),
     )
     if model is None:
         artifacts = {r: _random_artifact(net, shape, r) for r in sorted({case.ratio for case in cases})}
@@ -534,6 +539,7 @@ SWEPT_SETTINGS = (
     "partial_key_bits",
     "lookahead_from",
     "attention_lookahead_layers",
+    "reuse_rows",
 )  # a column where rows differ
 BENCH_COLUMNS = {
     "policy": "policy",
@@ -623,6 +629,12 @@ def generate(
     lookahead_from: LookaheadOpt = "input",
     attention_lookahead_layers: AttentionLayersOpt = 1,
     partial_key_bits: PartialKeyBitsOpt = 4,
+    reuse_rows: Annotated[
+        bool,
+        typer.Option(
+            help="Keep each layer's fetched rows on the GPU between steps; move only new ones (not yet GPU-tested)."
+        ),
+    ] = False,
     prefill_chunk: Annotated[
         int, typer.Option(help="Prefill long prompts in chunks of this many tokens (bounds GPU memory); 0: one pass.")
     ] = 4096,
@@ -653,6 +665,7 @@ def generate(
         lookahead_from=lookahead_from,
         attention_lookahead_layers=attention_lookahead_layers,
         partial_key_bits=partial_key_bits,
+        reuse_rows=reuse_rows,
     )
     if device is None and not torch.cuda.is_available():
         err_console.print("no CUDA device: running on the CPU (slowly)")
@@ -821,6 +834,12 @@ def _numbers(text: str, option: str, kind: type = float) -> list:
         return [kind(value) for value in text.split(",")]
     except ValueError:
         raise InfinigenError(f"{option} takes comma-separated {kind.__name__} values, got {text!r}") from None
+
+
+def _switch(value: str, option: str) -> bool:
+    if value not in ("off", "on"):
+        raise InfinigenError(f"{option} takes off or on, got {value!r}")
+    return value == "on"
 
 
 def _policy_settings(policies: str, budgets: str, alpha: float | None, **runtime) -> list[dict]:

@@ -126,26 +126,19 @@ def test_generate_batch_json(prepared, tmp_path):
     folder, out = prepared("llama")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the house was old\nand the street was narrow and the walls were\n")
-    result = invoke(
-        "generate",
-        str(folder),
-        "--artifact",
-        str(out),
-        "--batch-file",
-        str(prompts),
-        "--max-new-tokens",
-        "6",
-        "--json",
-        "--device",
-        "cpu",
-        "--budget",
-        "0.5",
-    )
+    args = ("generate", str(folder), "--artifact", str(out), "--batch-file", str(prompts))
+    args += ("--max-new-tokens", "6", "--json", "--device", "cpu", "--budget", "0.5")
+    result = invoke(*args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert len(report["outputs"]) == 2 and report["stats"]["batch"] == 2
     assert report["stats"]["new_tokens"] == 6 and 0 < report["stats"]["fraction_fetched"] <= 1
     assert report["stats"]["bytes_host_to_device"] > 0 and set(report["stats"]["per_layer"]) == {"2"}
+    reusing = invoke(*args, "--reuse-rows")  # rows kept on the GPU between steps: same text, fewer bytes
+    assert reusing.exit_code == 0, reusing.output
+    again = json.loads(reusing.stdout)
+    assert again["outputs"] == report["outputs"]
+    assert again["stats"]["bytes_host_to_device"] < report["stats"]["bytes_host_to_device"]
 
 
 @pytest.mark.parametrize(
@@ -305,6 +298,23 @@ def test_bench_runtime_sweeps_multiply_only_the_policies_they_change():
         ("infinigen", r, b, s, n) for r in (0.3, 0.5) for b in (8, 16) for s, n in lookahead
     )
     assert all(r["fraction_fetched"] == rows[-1]["fraction_fetched"] for r in rows[5:])
+
+
+def test_bench_row_reuse_sweep():
+    """--reuse-rows off,on runs budgeted policies both ways: the same fraction attended, fewer bytes
+    moved with reuse; other policies once."""
+    result = bench(
+        "--batch 2 --prompt-len 96 --gen-len 4 --policies full,infinigen,h2o --budgets 0.3 --reuse-rows off,on --json"
+    )
+    assert result.exit_code == 0, result.output
+    rows = {(r["policy"], r["reuse_rows"]): r for r in json.loads(result.stdout)["results"]}
+    assert set(rows) == {("full", None), ("infinigen", False), ("infinigen", True), ("h2o", False), ("h2o", True)}
+    for policy in ("infinigen", "h2o"):
+        plain, reusing = rows[policy, False], rows[policy, True]
+        assert reusing["fraction_fetched"] == pytest.approx(plain["fraction_fetched"], abs=1e-3)
+        assert reusing["h2d_mb_per_step"] < plain["h2d_mb_per_step"]
+    wrong = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies infinigen --reuse-rows yes")
+    assert wrong.exit_code != 0 and "--reuse-rows takes off or on" in wrong.output
 
 
 def test_bench_graphs_sweep_covers_our_caches_only():

@@ -233,12 +233,32 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"attention_lookahead_layers": -1}, "attention_lookahead_layers must be >= 0"),
         ({"partial_key_bits": 2}, "partial_key_bits must be 4, 8 or 16"),
         ({"dense_layers": 0}, "dense_layers must be at least 1"),
+        ({"reuse_rows": True, "cpu_pool_gb": 1.0}, "reuse_rows needs an unlimited CPU pool"),
+        ({"reuse_rows": True, "policy": "int4"}, "reuse_rows keeps decoded rows: not for 'int4'"),
     ],
 )
 def test_bad_settings(tokenizer, settings, message):
     model, artifact = tiny_setup(tokenizer, "qwen2", "cpu")
     with pytest.raises(InfinigenError, match=message):
         cache_for(model, artifact, **settings)
+
+
+@pytest.mark.parametrize("policy", ["infinigen", "h2o", "quest", "oracle"])
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_row_reuse_attends_the_same_rows_and_moves_fewer(tokenizer, arch, policy, device):
+    """With row reuse a step moves only the rows its selection adds: the same tokens (the same rows
+    attended, in other positions), the same fraction attended, fewer bytes moved."""
+    model, artifact = tiny_setup(tokenizer, arch, device)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 57)]
+    inputs = padded_batch(prompts, pad=1, device=device)
+    settings = dict(policy=policy, budget=0.3)
+    plain, reusing = cache_for(model, artifact, **settings), cache_for(model, artifact, **settings, reuse_rows=True)
+    expected = greedy(model, inputs, plain, new_tokens=16)
+    assert torch.equal(greedy(model, inputs, reusing, new_tokens=16), expected)
+    before, after = plain.summary(), reusing.summary()
+    assert after["fraction_fetched"] == pytest.approx(before["fraction_fetched"], abs=1e-4)
+    assert 0 < after["bytes_host_to_device"] < before["bytes_host_to_device"]
 
 
 def test_infinigen_needs_an_artifact():

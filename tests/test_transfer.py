@@ -35,6 +35,13 @@ bulk = torch.tensor([9], dtype=torch.int32).expand(B)  # one count for every row
 transfer._launch_gather(pool, idx, bulk, out[:, :, :, :12])
 first = torch.stack([rows[b, h, idx[b, h, :9]] for b in range(B) for h in range(H)]).view(B, H, 9, 2, D)
 assert torch.equal(out[:, :, :, :9], first.transpose(2, 3)) and not out[:, :, :, 9:12].any(), "expanded count"
+per_head = torch.tensor([[12, 0, 5], [3, 7, 1]], dtype=torch.int32)  # a count per (batch row, head)
+transfer._launch_gather(pool, idx, per_head, out[:, :, :, :12])
+for b in range(B):
+    for h in range(H):
+        n = int(per_head[b, h])
+        assert torch.equal(out[b, h, :, :n], rows[b, h, idx[b, h, :n]].transpose(0, 1)), "count per head"
+        assert not out[b, h, :, n:12].any(), "zeros past a head's count"
 slots = torch.tensor([[3, 9, 17], [0, 25, 29]])
 new = torch.randn(B, H, 1, 2, D)
 transfer._launch_scatter(pool, slots, new)
@@ -64,6 +71,13 @@ def test_torch_gather_and_scatter_across_blocks():
     for b in range(2):
         for h in range(2):
             torch.testing.assert_close(out[b, h].transpose(0, 1), rows[b, h, indices[b, h]])
+    per_head = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)  # a count per (batch row, head)
+    transfer.gather_rows(pool, indices, per_head, out)
+    for b in range(2):
+        for h in range(2):
+            n = int(per_head[b, h])
+            torch.testing.assert_close(out[b, h, :, :n].transpose(0, 1), rows[b, h, indices[b, h, :n]])
+            assert not out[b, h, :, n:].any()
     new = torch.randn(2, 2, 1, 2, 4)
     transfer.scatter_rows(pool, torch.tensor([[14, 0], [7, 13]]), new)
     assert torch.equal(pool.blocks[2][0, 0, 4], new[0, 0, 0]) and torch.equal(pool.blocks[2][1, 1, 3], new[1, 1, 0])

@@ -30,6 +30,7 @@ from infinigen.runtime import decode_attention
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_tokens
 from infinigen.runtime.policies import Selection, make_policy
+from infinigen.runtime.reuse import place
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
 
@@ -46,6 +47,10 @@ class InfinigenCache(Cache):
         self.policy = make_policy(config)
         if self.policy.speculates and artifact is None:
             raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
+        if config.reuse_rows and self.policy.codec is not None:
+            raise InfinigenError(
+                f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed"
+            )
         if self.policy.speculates and config.dense_layers < 1:
             raise InfinigenError("speculation needs the previous layer: dense_layers must be at least 1")
         n_layers = self.spec.n_layers
@@ -113,11 +118,16 @@ class InfinigenCache(Cache):
         buffer = self.buffers.get((name, parity))
         if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
             old = 0 if buffer is None else buffer.numel()
-            buffer = torch.empty(max(numel, 2 * old), dtype=dtype, device=self.device)
-            if self.stream is not None:
-                buffer.record_stream(self.stream)
+            buffer = self.on_both_streams(torch.empty(max(numel, 2 * old), dtype=dtype, device=self.device))
             self.buffers[name, parity] = buffer
         return buffer[:numel].view(shape)
+
+    def on_both_streams(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer``, which the transfer stream writes: the allocator must not reuse its memory while
+        that stream may still do so."""
+        if self.stream is not None:
+            buffer.record_stream(self.stream)
+        return buffer
 
     def captures(self, layer: OffloadedLayer) -> bool:
         """Whether ``layer``'s selection runs as its own CUDA graph: on CUDA, with an
@@ -166,7 +176,9 @@ class InfinigenCache(Cache):
         if layers:
             moved = torch.stack([layer.captured_moved for layer in layers])  # (layers, B), out of the graph
             for layer, rows in zip(layers, moved, strict=True):
-                layer.stats.record(rows, cached, *layer.valid.shape[:2])
+                attended = layer.captured_attended
+                attended = None if attended is None else attended.clone()
+                layer.stats.record(rows, cached, *layer.valid.shape[:2], attended=attended)
         if not captured:
             for layer in self.layers:
                 layer.advance()
@@ -197,6 +209,8 @@ class InfinigenCache(Cache):
         indices, count = self._indices(layer, selection), selection.count
         if valid is None:
             valid = self.fetch_mask(layer, selection)
+        if self.config.reuse_rows and self.policy.budgeted:
+            return self._fetch_new_rows(layer, indices, count, valid)
         batch, kv_heads, k = indices.shape
         parity = layer.index % 2
         rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
@@ -214,6 +228,27 @@ class InfinigenCache(Cache):
             self.kept_gathers.append((layer.pool, indices, count, moved))
         ready = self._gather(layer, indices, count, moved) if self.move_rows else None
         return Fetched(rows, valid, indices, ready, packed, layer.policy.codec)
+
+    def _fetch_new_rows(self, layer: OffloadedLayer, indices, count, valid) -> Fetched:
+        """``fetch`` with row reuse: the rows selected again stay where they are on the GPU, and only
+        the rows the selection adds move, into the positions the dropped ones free (``reuse.place``)."""
+        batch, kv_heads, k = indices.shape
+        rows, resident = layer.resident(k)
+        placement = place(resident, indices, valid[:, :, :k], layer.capacity)
+        resident.copy_(placement.slots)
+        moved = placement.count.double().mean(dim=1)  # (B,) rows per head
+        attended = count if count is not None else torch.full((batch,), k, device=self.device)
+        if self.capturing:  # recorded after each replay (``replayed``)
+            layer.captured_moved, layer.captured_attended = moved, attended
+        else:
+            layer.stats.record(moved, layer.cached_tokens(), batch, kv_heads, attended=attended)
+        staging = self._buffer("rows", layer.index % 2, (batch, kv_heads, 2, k, self.spec.head_dim), layer.dtype)
+        if self.kept_gathers is not None:
+            self.kept_gathers.append((layer.pool, placement.missing, placement.count, staging))
+        into = (rows, placement.destination)
+        ready = self._gather(layer, placement.missing, placement.count, staging, into) if self.move_rows else None
+        attend = torch.cat([placement.slots >= 0, valid.new_zeros(batch, kv_heads, 1)], dim=-1)  # + the token
+        return Fetched(rows, attend, placement.slots.clamp(min=0), ready)
 
     def aside(self, prefetch: Callable[[], Fetched], inputs: tuple[torch.Tensor, ...]) -> Fetched:
         """Run ``prefetch`` (a layer's selection and fetch) on the selection stream, after the compute
@@ -237,18 +272,19 @@ class InfinigenCache(Cache):
             tensor.record_stream(compute)
         return fetched
 
-    def _gather(self, layer: OffloadedLayer, indices, count, out) -> torch.cuda.Event | None:
+    def _gather(self, layer: OffloadedLayer, indices, count, out, into=None) -> torch.cuda.Event | None:
         """The row move itself: inline on CPU; on CUDA on the transfer stream, after the current
-        stream's work so far (the selection's), returning the event that marks its end."""
+        stream's work so far (the selection's), returning the event that marks its end. ``into``:
+        (rows (B, H, 2, P + 1, d), destination (B, H, K)) where the moved rows then go (row reuse)."""
         if self.stream is None:
-            layer.pool.gather(indices, count, out)
+            _moved_rows(layer, indices, count, out, into)
             return None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            layer.pool.gather(indices, count, out)
+            _moved_rows(layer, indices, count, out, into)
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        for tensor in (indices, count):
+        for tensor in (indices, count, *(into or ())):
             if tensor is not None:
                 tensor.record_stream(self.stream)
         return ready
@@ -284,6 +320,13 @@ class InfinigenCache(Cache):
         bits = codec.bits_per_value if codec is not None else 16  # 16-bit KV as the reference
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
         return {"policy": self.policy.name, **summary, "replayed_steps": self.replayed_steps}
+
+
+def _moved_rows(layer: OffloadedLayer, indices, count, out, into) -> None:
+    layer.pool.gather(indices, count, out)
+    if into is not None:  # (B, H, 2, K, d) -> their positions; past the count, the token's spare position
+        rows, destination = into
+        rows.scatter_(3, destination[:, :, None, :, None].expand_as(out), out)
 
 
 # --- attention and hooks -----------------------------------------------------------------------

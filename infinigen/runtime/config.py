@@ -37,6 +37,10 @@ class RuntimeConfig:
     # Bits per value of infinigen's partial key cache on the GPU: 4 (two codes a byte with a per-token
     # scale), 8 (int8 codes with a per-token scale) or 16 (the model's dtype, as the paper).
     partial_key_bits: int = 4
+    # Keep each offloaded layer's fetched rows on the GPU between decode steps and move only the rows
+    # its next selection adds (``runtime.reuse``): the same rows attended, fewer bytes moved, at the
+    # GPU memory of one selection per layer. Budgeted policies with uncompressed rows, unlimited pool.
+    reuse_rows: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
@@ -56,6 +60,8 @@ class RuntimeConfig:
             raise InfinigenError(f"partial_key_bits must be 4, 8 or 16, got {self.partial_key_bits!r}")
         if self.cpu_pool_gb is not None and self.cpu_pool_gb <= 0:
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
+        if self.reuse_rows and self.cpu_pool_gb is not None:
+            raise InfinigenError("reuse_rows needs an unlimited CPU pool (an evicted slot would leave a stale row)")
 
     def for_model(self, model_type: str) -> RuntimeConfig:
         """This config with ``alpha`` resolved for the model family."""

@@ -77,5 +77,5 @@ class KVPool:
         transfer.scatter_rows(self, slots, rows)
 
     def gather(self, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
-        """out[b, h, j] = row indices[b, h, j], for j < count (all j when count is None)."""
+        """out[b, h, j] = row indices[b, h, j], for j < count[b] or count[b, h] (all j when count is None)."""
         transfer.gather_rows(self, indices, count, out)

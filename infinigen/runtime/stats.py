@@ -12,29 +12,45 @@ class LayerStats:
     written_rows: int = 0  # (token, KV head, batch row) rows stored to the CPU pool
     evicted_tokens: int = 0  # tokens (summed over batch rows) overwritten in this layer's full pool
     kv_heads: int = 0
-    moved: list[torch.Tensor | int] = field(default_factory=list)  # per step: rows per head moved, (B,) or int
-    cached: list[torch.Tensor | int] = field(default_factory=list)  # per step: tokens cached per batch row
+    moved: list[torch.Tensor] = field(default_factory=list)  # per step: rows per head moved, (B,)
+    attended: list[torch.Tensor] = field(default_factory=list)  # per step: rows per head fetched for attention
+    cached: list[torch.Tensor] = field(default_factory=list)  # per step: tokens cached per batch row
 
-    def record(self, moved: torch.Tensor | int, cached: torch.Tensor | int, batch: int, kv_heads: int) -> None:
+    def record(
+        self,
+        moved: torch.Tensor | int,
+        cached: torch.Tensor | int,
+        batch: int,
+        kv_heads: int,
+        attended: torch.Tensor | int | None = None,
+    ) -> None:
         """One fetch: ``moved`` rows per (batch row, head) out of ``cached`` tokens per batch row, each
-        (B,) or one int for all rows; no device work, no host sync."""
-        self.kv_heads = kv_heads
-        self.moved.append(moved if isinstance(moved, torch.Tensor) else torch.full((batch,), moved))
-        self.cached.append(cached if isinstance(cached, torch.Tensor) else torch.full((batch,), cached))
+        (B,) or one int for all rows; ``attended``: the rows the step attends, where some were already
+        on the GPU (row reuse; None: the moved ones). No device work, no host sync."""
 
-    def _moved(self) -> torch.Tensor:  # (steps, B), on the host
-        return torch.stack([m.cpu() for m in self.moved]).double()
+        def per_row(value: torch.Tensor | int) -> torch.Tensor:
+            return value if isinstance(value, torch.Tensor) else torch.full((batch,), value)
+
+        self.kv_heads = kv_heads
+        self.moved.append(per_row(moved))
+        self.attended.append(per_row(moved if attended is None else attended))
+        self.cached.append(per_row(cached))
 
     def fetched_total(self) -> int:
-        return int(self._moved().sum()) * self.kv_heads if self.moved else 0
+        return round(float(_on_host(self.moved).sum()) * self.kv_heads) if self.moved else 0
 
     def fraction_mean_p95(self) -> tuple[float, float]:
         if not self.moved:
             return 0.0, 0.0
-        cached = torch.stack([c.cpu() for c in self.cached]).double()  # (steps, B)
+        cached = _on_host(self.cached)
         # a bulk fetch also moves a padded row's padding slots: it still fetched all of the row's KV
-        fractions = (self._moved() / cached.clamp(min=1)).clamp(max=1).mean(dim=1)
+        fractions = (_on_host(self.attended) / cached.clamp(min=1)).clamp(max=1).mean(dim=1)
         return float(fractions.mean()), float(fractions.quantile(0.95))
+
+
+def _on_host(values: list[torch.Tensor]) -> torch.Tensor:
+    """(steps, B) float64 on the host."""
+    return torch.stack([v.cpu() for v in values]).double()
 
 
 def summarize(layers, row_bytes: int, wait_ms: float, pool_bytes: int) -> dict:

@@ -32,7 +32,8 @@ def zero_copy_available(device: torch.device) -> bool:
 
 def gather_rows(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
     """out (B, H, 2, K, d) on the compute device <- pool rows indices (B, H, K): each pool row
-    (K and V of one token) is split into the K plane and the V plane of its head."""
+    (K and V of one token) is split into the K plane and the V plane of its head. ``count``: rows
+    per batch row (B,) or per head (B, H); the rest are zeros."""
     if zero_copy_available(out.device):
         _launch_gather(pool, indices, count, out)
         return
@@ -46,7 +47,7 @@ def gather_rows(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None,
         chosen = blocks == index
         rows[chosen] = block[b[chosen], h[chosen], slots[chosen]]
     if count is not None:  # rows past the count are zeros, as on CUDA (their slots may be unwritten)
-        rows[torch.arange(k) >= count.cpu()[:, None, None].expand(batch, heads, 1)] = 0
+        rows[torch.arange(k) >= count.cpu().view(batch, -1, 1).expand(batch, heads, 1)] = 0
     out.copy_(rows.transpose(2, 3))
 
 
@@ -75,6 +76,8 @@ if triton is not None:
         out,
         k,
         kv_heads,
+        count_batch_stride,
+        count_head_stride,
         head_stride,
         plane_stride,
         chunks_per_head,
@@ -94,7 +97,8 @@ if triton is not None:
         for chunk in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
             bh = chunk // chunks_per_head
             j = (chunk % chunks_per_head) * rows_per_chunk + tl.arange(0, rows_per_chunk)
-            limit = tl.minimum(tl.load(count + bh // kv_heads), k) if has_count else k
+            at = (bh // kv_heads) * count_batch_stride + (bh % kv_heads) * count_head_stride
+            limit = tl.minimum(tl.load(count + at), k) if has_count else k
             live = j < limit
             token = tl.load(indices + bh * k + j, mask=live, other=0)
             base = tl.load(table + token // block_tokens, mask=live, other=0)
@@ -131,13 +135,16 @@ def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | No
     row = 2 * head_dim
     chunks_per_head = triton.cdiv(k, ROWS_PER_PROGRAM)
     n_chunks = batch * heads * chunks_per_head
+    count = count.contiguous() if count is not None else None  # an expanded count has stride 0
     _gather_kernel[(min(n_chunks, gather_programs(out.device)),)](
         pool.block_table,
         indices.contiguous(),
-        count.contiguous() if count is not None else indices,  # (B,): an expanded count has stride 0
+        count if count is not None else indices,
         out,
         k,
         heads,
+        count.stride(0) if count is not None else 0,
+        count.stride(1) if count is not None and count.dim() == 2 else 0,  # (B,): one count for every head
         out.stride(1),
         out.stride(2),
         chunks_per_head,
