@@ -60,6 +60,24 @@ def test_decode_equals_generate_for_every_policy(tokenizer, policy, device):
         assert loop["bytes_device_to_host"] == plain["bytes_device_to_host"]
 
 
+@pytest.mark.parametrize("policy", ["infinigen", "h2o"])
+def test_decode_with_row_reuse_matches_generate(tokenizer, policy, device):
+    """Row reuse through the decoding loop (on CUDA: captured steps, across buffer growth every 16
+    tokens): the tokens of transformers' loop without reuse, the same rows attended, fewer moved."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    inputs = prompts_batch(device, seed=5)
+    settings = dict(policy=policy, budget=0.3, block_tokens=16, min_tokens=2)
+    plain_cache, reuse_cache = (
+        cache_for(model, artifact, **settings),
+        cache_for(model, artifact, **settings, reuse_rows=True),
+    )
+    expected = greedy(model, inputs, plain_cache, new_tokens=24)
+    assert torch.equal(decoded(model, inputs, reuse_cache, new_tokens=24, do_sample=False), expected)
+    plain, reusing = plain_cache.summary(), reuse_cache.summary()
+    assert reusing["fraction_fetched"] == pytest.approx(plain["fraction_fetched"], abs=1e-4)
+    assert 0 < reusing["bytes_host_to_device"] < plain["bytes_host_to_device"]
+
+
 def test_decode_with_a_limited_pool_matches_generate(tokenizer, device):
     """A full pool evicts on the host: those steps run eagerly, with the same result."""
     model, artifact = tiny_setup(tokenizer, "llama", device)
@@ -122,9 +140,12 @@ def test_decode_needs_an_infinigen_cache(tokenizer):
         decoded(model, prompts_batch("cpu"), DynamicCache(), do_sample=False)
 
 
-@pytest.mark.parametrize("policy", ["infinigen", "full", "quest", "int4"])
+@pytest.mark.parametrize(
+    ("policy", "reuse_rows"),
+    [("infinigen", False), ("full", False), ("quest", False), ("int4", False), ("infinigen", True), ("quest", True)],
+)
 @torch.no_grad()
-def test_step_graph_replays_the_eager_step_exactly(tokenizer, policy, device):
+def test_step_graph_replays_the_eager_step_exactly(tokenizer, policy, reuse_rows, device):
     """On CUDA, steps are captured and replayed (across pool growth: 8-token blocks); the logits equal
     those of the same steps run eagerly (graphs off), bit for bit."""
     if device != "cuda":
@@ -133,7 +154,8 @@ def test_step_graph_replays_the_eager_step_exactly(tokenizer, policy, device):
     inputs = prompts_batch(device)
     runs = []
     for graphs in (False, True):
-        cache = cache_for(model, artifact, policy=policy, budget=0.3, block_tokens=8, cuda_graphs=graphs)
+        settings = dict(policy=policy, budget=0.3, block_tokens=8, cuda_graphs=graphs, reuse_rows=reuse_rows)
+        cache = cache_for(model, artifact, **settings)
         logits = prefill(model, cache, inputs["input_ids"], inputs["attention_mask"])
         step, position = StepGraph(model, cache), inputs["attention_mask"].sum(-1, keepdim=True) - 1
         steps, replays = [], 0
