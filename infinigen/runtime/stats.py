@@ -50,7 +50,7 @@ class LayerStats:
 
 def _on_host(values: list[torch.Tensor]) -> torch.Tensor:
     """(steps, B) float64 on the host."""
-    return torch.stack([v.cpu() for v in values]).double()
+    return torch.stack([v.cpu().double() for v in values])
 
 
 def summarize(layers, row_bytes: int, wait_ms: float, pool_bytes: int) -> dict:
