@@ -176,8 +176,8 @@ class InfinigenCache(Cache):
         if layers:
             moved = torch.stack([layer.captured_moved for layer in layers])  # (layers, B), out of the graph
             for layer, rows in zip(layers, moved, strict=True):
-                attended = layer.captured_attended
-                attended = None if attended is None else attended.clone()
+                attended = layer.captured_attended  # a graph's buffer (refilled by each replay) or an int
+                attended = attended.clone() if isinstance(attended, torch.Tensor) else attended
                 layer.stats.record(rows, cached, *layer.valid.shape[:2], attended=attended)
         if not captured:
             for layer in self.layers:
@@ -214,19 +214,14 @@ class InfinigenCache(Cache):
         batch, kv_heads, k = indices.shape
         parity = layer.index % 2
         rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
-        if self.capturing:  # recorded after each replay (``replayed``)
-            layer.captured_moved = count
-        else:
-            layer.stats.record(count if count is not None else k, layer.cached_tokens(), batch, kv_heads)
+        self._count(layer, count if count is not None else k)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         packed = None
         moved = rows[:, :, :, :k]
         if layer.policy.codec is not None:  # rows move compressed; ``wait`` decodes them
             packed = moved = self._buffer("packed", parity, (batch, kv_heads, 2, k, layer.pool.shape[-1]), layer.dtype)
-        if self.kept_gathers is not None:
-            self.kept_gathers.append((layer.pool, indices, count, moved))
-        ready = self._gather(layer, indices, count, moved) if self.move_rows else None
+        ready = self._move(layer, indices, count, moved)
         return Fetched(rows, valid, indices, ready, packed, layer.policy.codec)
 
     def _fetch_new_rows(self, layer: OffloadedLayer, indices, count, valid) -> Fetched:
@@ -236,19 +231,25 @@ class InfinigenCache(Cache):
         rows, resident = layer.resident(k)
         placement = place(resident, indices, valid[:, :, :k], layer.capacity)
         resident.copy_(placement.slots)
-        moved = placement.count.double().mean(dim=1)  # (B,) rows per head
-        attended = count if count is not None else torch.full((batch,), k, device=self.device)
-        if self.capturing:  # recorded after each replay (``replayed``)
-            layer.captured_moved, layer.captured_attended = moved, attended
-        else:
-            layer.stats.record(moved, layer.cached_tokens(), batch, kv_heads, attended=attended)
+        self._count(layer, placement.count.double().mean(dim=1), count if count is not None else k)
         staging = self._buffer("rows", layer.index % 2, (batch, kv_heads, 2, k, self.spec.head_dim), layer.dtype)
-        if self.kept_gathers is not None:
-            self.kept_gathers.append((layer.pool, placement.missing, placement.count, staging))
-        into = (rows, placement.destination)
-        ready = self._gather(layer, placement.missing, placement.count, staging, into) if self.move_rows else None
+        ready = self._move(layer, placement.missing, placement.count, staging, (rows, placement.destination))
         attend = torch.cat([placement.slots >= 0, valid.new_zeros(batch, kv_heads, 1)], dim=-1)  # + the token
         return Fetched(rows, attend, placement.slots.clamp(min=0), ready)
+
+    def _count(self, layer: OffloadedLayer, moved, attended=None) -> None:
+        """A fetch's statistics: rows per head moved (B,) or int, and attended where that differs
+        (row reuse); a captured step's are recorded after each replay (``replayed``)."""
+        if self.capturing:
+            layer.captured_moved, layer.captured_attended = moved, attended
+        else:
+            layer.stats.record(moved, layer.cached_tokens(), *layer.valid.shape[:2], attended=attended)
+
+    def _move(self, layer: OffloadedLayer, indices, count, out, into=None) -> torch.cuda.Event | None:
+        """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
+        if self.kept_gathers is not None:
+            self.kept_gathers.append((layer.pool, indices, count, out))
+        return self._gather(layer, indices, count, out, into) if self.move_rows else None
 
     def aside(self, prefetch: Callable[[], Fetched], inputs: tuple[torch.Tensor, ...]) -> Fetched:
         """Run ``prefetch`` (a layer's selection and fetch) on the selection stream, after the compute

@@ -141,7 +141,7 @@ class OffloadedLayer(_Layer):
         self.last_selection: tuple[Selection, torch.Tensor] | None = None  # the latest step's, with its fetch mask
         self.padded = False  # some batch row has padding slots (marked invalid)
         self.captured_moved: torch.Tensor | None = None  # (B,) rows per head a captured step fetches
-        self.captured_attended: torch.Tensor | None = None  # (B,) rows per head it attends (with row reuse)
+        self.captured_attended: torch.Tensor | int | None = None  # rows per head it attends (row reuse)
         # With row reuse: the rows kept on the GPU between steps (B, kv_heads, 2, P + 1, d), the last
         # position for the step's own token, and the slot each position holds (B, kv_heads, P), -1: none
         self.resident_rows: torch.Tensor | None = None
