@@ -11,8 +11,9 @@ import collections
 import sys
 
 import torch
+from profiling import decoded
 
-from infinigen.bench import BenchCase, _Decoder, _make_cache, random_model
+from infinigen.bench import random_model
 from infinigen.cli import _random_artifact
 
 SITES = 12
@@ -32,15 +33,13 @@ def main(batch: int, context: int, budget: float) -> None:
     artifact = _random_artifact(model, "llama-3-8b", 0.5)
     weights = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=200_000)
-    case = BenchCase("infinigen", batch, context, 4, budget=budget)
-    decoder = _Decoder(model, _make_cache(model, artifact, case), case)
-    decoder.prefill_seconds()
-    decoder.step_seconds()  # resets the peak after its warm-up steps
-    torch.cuda.synchronize()
+    # held until the snapshot (the cache's buffers are what it shows); the peak restarts after the warm-up
+    decoder, step_ms = decoded(model, artifact, batch, context, budget, gen_len=4)
     config = model.config
     kv = batch * context * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2 * 2
     live, peak = torch.cuda.memory_allocated() - weights, torch.cuda.max_memory_allocated() - weights
-    print(f"{batch} x {context}, infinigen {budget}, beyond the weights (against dense's {kv / 1e9:.2f} GB of KV):")
+    print(f"{batch} x {context}, infinigen {budget} ({step_ms:.2f} ms per step), beyond the weights", end=" ")
+    print(f"(against dense's {kv / 1e9:.2f} GB of KV; {decoder.cache.policy.name} cache held):")
     print(f"  live after decoding {live / 1e9:.3f} GB ({live / kv:.1%})")
     print(f"  the timed steps' peak {peak / 1e9:.3f} GB ({peak / kv:.1%})")
     sites = collections.Counter()

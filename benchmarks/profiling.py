@@ -8,17 +8,23 @@ from torch.profiler import ProfilerActivity, profile
 from infinigen.bench import BenchCase, _Decoder, _make_cache
 
 
-def profiled_steps(model, artifact, batch: int, context: int, budget: float, steps: int) -> tuple[float, profile]:
-    """Prefill ``batch`` x ``context`` random tokens, time the median decode step (ms), then profile
-    ``steps`` more steps (CUDA kernels only)."""
-    case = BenchCase("infinigen", batch, context, budget=budget, gen_len=8)
+@torch.no_grad()
+def decoded(model, artifact, batch: int, context: int, budget: float, gen_len: int = 8) -> tuple[_Decoder, float]:
+    """``infinigen`` at ``budget`` after a prefill of ``batch`` x ``context`` random tokens and
+    ``gen_len`` timed decode steps: the decoder, and the median step (ms)."""
+    case = BenchCase("infinigen", batch, context, budget=budget, gen_len=gen_len)
     decoder = _Decoder(model, _make_cache(model, artifact, case), case)
-    with torch.no_grad():
-        decoder.prefill_seconds()
-        step_ms = decoder.step_seconds() * 1e3
+    decoder.prefill_seconds()
+    step_ms = decoder.step_seconds() * 1e3
+    torch.cuda.synchronize()
+    return decoder, step_ms
+
+
+def profiled_steps(model, artifact, batch: int, context: int, budget: float, steps: int) -> tuple[float, profile]:
+    """``decoded``, then ``steps`` more steps under the profiler (CUDA kernels only)."""
+    decoder, step_ms = decoded(model, artifact, batch, context, budget)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            decoder.forward(decoder.token)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-            for _ in range(steps):
-                decoder.forward(decoder.token)
-            torch.cuda.synchronize()
     return step_ms, profiler
