@@ -404,8 +404,8 @@ def breakdown(
     gathers, cache.kept_gathers = cache.kept_gathers, None
     _sync(device)
     start = time.perf_counter()
-    for pool, indices, count, out in gathers:
-        pool.gather(indices, count, out)
+    for pool, indices, count, out, destination in gathers:
+        pool.gather(indices, count, out, destination)
     _sync(device)
     transfer_only = (time.perf_counter() - start) * 1e3
     return case_settings(case) | {

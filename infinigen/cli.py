@@ -632,7 +632,8 @@ def generate(
     reuse_rows: Annotated[
         bool,
         typer.Option(
-            help="Keep each layer's fetched rows on the GPU between steps; move only new ones (not yet GPU-tested)."
+            help="Keep each layer's fetched rows on the GPU between steps and move only new ones: fewer bytes, for "
+            "the budget's share of the KV in GPU memory."
         ),
     ] = False,
     prefill_chunk: Annotated[

@@ -30,7 +30,6 @@ from infinigen.runtime import decode_attention
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_tokens
 from infinigen.runtime.policies import Selection, make_policy
-from infinigen.runtime.reuse import place
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
 
@@ -226,16 +225,15 @@ class InfinigenCache(Cache):
 
     def _fetch_new_rows(self, layer: OffloadedLayer, indices, count, valid) -> Fetched:
         """``fetch`` with row reuse: the rows selected again stay where they are on the GPU, and only
-        the rows the selection adds move, into the positions the dropped ones free (``reuse.place``)."""
-        batch, kv_heads, k = indices.shape
-        rows, resident = layer.resident(k)
-        placement = place(resident, indices, valid[:, :, :k], layer.capacity)
-        resident.copy_(placement.slots)
+        the rows the selection adds move, into the positions the dropped ones free (``reuse``)."""
+        k = indices.shape[-1]
+        resident = layer.resident_rows(k)
+        placement = resident.place(indices, valid[:, :, :k])
         self._count(layer, placement.count.double().mean(dim=1), count if count is not None else k)
-        staging = self._buffer("rows", layer.index % 2, (batch, kv_heads, 2, k, self.spec.head_dim), layer.dtype)
-        ready = self._move(layer, placement.missing, placement.count, staging, (rows, placement.destination))
-        attend = torch.cat([placement.slots >= 0, valid.new_zeros(batch, kv_heads, 1)], dim=-1)  # + the token
-        return Fetched(rows, attend, placement.slots.clamp(min=0), ready)
+        slots = resident.slots.clamp(min=0)
+        # the move starts after everything the compute stream reads from this stream (its ready event)
+        ready = self._move(layer, placement.missing, placement.count, resident.rows, placement.destination)
+        return Fetched(resident.rows, placement.attend, slots, ready)
 
     def _count(self, layer: OffloadedLayer, moved, attended=None) -> None:
         """A fetch's statistics: rows per head moved (B,) or int, and attended where that differs
@@ -245,11 +243,11 @@ class InfinigenCache(Cache):
         else:
             layer.stats.record(moved, layer.cached_tokens(), *layer.valid.shape[:2], attended=attended)
 
-    def _move(self, layer: OffloadedLayer, indices, count, out, into=None) -> torch.cuda.Event | None:
+    def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
         if self.kept_gathers is not None:
-            self.kept_gathers.append((layer.pool, indices, count, out))
-        return self._gather(layer, indices, count, out, into) if self.move_rows else None
+            self.kept_gathers.append((layer.pool, indices, count, out, destination))
+        return self._gather(layer, indices, count, out, destination) if self.move_rows else None
 
     def aside(self, prefetch: Callable[[], Fetched], inputs: tuple[torch.Tensor, ...]) -> Fetched:
         """Run ``prefetch`` (a layer's selection and fetch) on the selection stream, after the compute
@@ -273,19 +271,18 @@ class InfinigenCache(Cache):
             tensor.record_stream(compute)
         return fetched
 
-    def _gather(self, layer: OffloadedLayer, indices, count, out, into=None) -> torch.cuda.Event | None:
+    def _gather(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The row move itself: inline on CPU; on CUDA on the transfer stream, after the current
-        stream's work so far (the selection's), returning the event that marks its end. ``into``:
-        (rows (B, H, 2, P + 1, d), destination (B, H, K)) where the moved rows then go (row reuse)."""
+        stream's work so far (the selection's), returning the event that marks its end."""
         if self.stream is None:
-            _moved_rows(layer, indices, count, out, into)
+            layer.pool.gather(indices, count, out, destination)
             return None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            _moved_rows(layer, indices, count, out, into)
+            layer.pool.gather(indices, count, out, destination)
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        for tensor in (indices, count, *(into or ())):
+        for tensor in (indices, count, out, destination):
             if tensor is not None:
                 tensor.record_stream(self.stream)
         return ready
@@ -321,16 +318,6 @@ class InfinigenCache(Cache):
         bits = codec.bits_per_value if codec is not None else 16  # 16-bit KV as the reference
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
         return {"policy": self.policy.name, **summary, "replayed_steps": self.replayed_steps}
-
-
-def _moved_rows(layer: OffloadedLayer, indices, count, out, into) -> None:
-    layer.pool.gather(indices, count, out)
-    if into is not None:  # (B, H, 2, K, d) -> their positions; past the count, the token's spare position
-        rows, destination = into
-        rows.scatter_(3, destination[:, :, None, :, None].expand_as(out), out)
-
-
-# --- attention and hooks -----------------------------------------------------------------------
 
 
 def grouped_decode_attention(query, keys, values, valid, scaling, need_probs: bool = False):

@@ -21,6 +21,7 @@ from infinigen.runtime.graphs import SelectionGraph
 from infinigen.runtime.policies import Policy, Selection
 from infinigen.runtime.policies.base import RowCodec
 from infinigen.runtime.pool import KVPool
+from infinigen.runtime.reuse import ResidentRows
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import LayerStats
 
@@ -142,10 +143,7 @@ class OffloadedLayer(_Layer):
         self.padded = False  # some batch row has padding slots (marked invalid)
         self.captured_moved: torch.Tensor | None = None  # (B,) rows per head a captured step fetches
         self.captured_attended: torch.Tensor | int | None = None  # rows per head it attends (row reuse)
-        # With row reuse: the rows kept on the GPU between steps (B, kv_heads, 2, P + 1, d), the last
-        # position for the step's own token, and the slot each position holds (B, kv_heads, P), -1: none
-        self.resident_rows: torch.Tensor | None = None
-        self.resident_slots: torch.Tensor | None = None
+        self.resident: ResidentRows | None = None  # with row reuse: the rows kept on the GPU
         self.stats = LayerStats()
 
     # --- transformers' layer interface -------------------------------------------------------
@@ -259,19 +257,13 @@ class OffloadedLayer(_Layer):
         captured step reads its current value), else a constant (a full pool runs eagerly)."""
         return self.runtime.slot if self.appends() else torch.full((1,), self.used, device=self.device)
 
-    def resident(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``resident_rows`` and ``resident_slots``, grown to at least ``positions`` (rows kept)."""
-        held = 0 if self.resident_slots is None else self.resident_slots.shape[-1]
-        if held < positions:
+    def resident_rows(self, positions: int) -> ResidentRows:
+        """The rows kept on the GPU between steps (row reuse), with room for ``positions``."""
+        if self.resident is None:
             batch, kv_heads = self.valid.shape[:2]
-            head_dim = self.runtime.spec.head_dim
-            rows = torch.zeros(batch, kv_heads, 2, positions + 1, head_dim, dtype=self.dtype, device=self.device)
-            slots = torch.full((batch, kv_heads, positions), -1, dtype=torch.int64, device=self.device)
-            if held:
-                rows[:, :, :, :held] = self.resident_rows[:, :, :, :held]
-                slots[:, :, :held] = self.resident_slots
-            self.resident_rows, self.resident_slots = self.runtime.on_both_streams(rows), slots
-        return self.resident_rows, self.resident_slots
+            self.resident = ResidentRows(batch, kv_heads, self.runtime.spec.head_dim, self.dtype, self.device)
+        self.resident.grow(positions, self.capacity)
+        return self.resident
 
     def every_slot(self) -> Selection:
         """A bulk fetch of every cached slot: indices over the whole capacity, the count of slots in

@@ -76,6 +76,7 @@ class KVPool:
         """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""
         transfer.scatter_rows(self, slots, rows)
 
-    def gather(self, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
-        """out[b, h, j] = row indices[b, h, j], for j < count[b] or count[b, h] (all j when count is None)."""
-        transfer.gather_rows(self, indices, count, out)
+    def gather(self, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor, destination=None) -> None:
+        """out[b, h, j] = row indices[b, h, j], for j < count[b] or count[b, h] (all j when count is None);
+        with ``destination`` (B, H, K), at out[b, h, destination[b, h, j]] instead."""
+        transfer.gather_rows(self, indices, count, out, destination)

@@ -1,8 +1,12 @@
 """Row reuse: an offloaded layer keeps its fetched rows on the GPU from one decode step to the next,
 and a step moves only the rows its selection adds (consecutive steps select mostly the same rows:
-BENCHMARKS.md, session 11). ``place`` keeps every row selected again where it is and puts the new
-rows in the positions the dropped ones free, so nothing but the new rows moves. Device work only,
-fixed shapes: it runs inside captured selections."""
+BENCHMARKS.md, session 11). ``ResidentRows.place`` keeps every row selected again where it is and
+gives the new rows the positions the dropped ones free, so nothing but the new rows moves.
+
+On CUDA the placement is one Triton kernel per layer (a program per (batch row, head)); elsewhere
+the same result comes from PyTorch indexing. Device work only, fixed shapes: it runs inside
+captured selections.
+"""
 
 from __future__ import annotations
 
@@ -10,37 +14,72 @@ from dataclasses import dataclass
 
 import torch
 
+from infinigen.runtime.buffers import grown_to
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+BLOCK = 1024  # positions or selected slots per loop step of the placement kernel
+
 
 @dataclass(frozen=True)
 class Placement:
-    slots: torch.Tensor  # (B, H, P) int64: the slot each position holds after the step's fetch, -1 none
     missing: torch.Tensor  # (B, H, K) int64: the slots to move, the first ``count`` of each head
     count: torch.Tensor  # (B, H) int32
-    destination: torch.Tensor  # (B, H, K) int64: where each moved row goes; P (a spare) past the count
+    destination: torch.Tensor  # (B, H, K) int32: the position each moved row goes to (first ``count``)
+    attend: torch.Tensor  # (B, H, P + 1) bool: positions holding a selected row; the last (the token's) False
 
 
-def place(resident: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor, n_slots: int) -> Placement:
-    """resident (B, H, P): the slot each resident position holds (-1: none); the new selection:
-    slots ``indices`` (B, H, K), K <= P, of which ``selected`` (B, H, K) are attended; every slot
-    < n_slots. After the move, the valid positions hold exactly the selected slots."""
-    batch, heads, positions = resident.shape
+class ResidentRows:
+    """One offloaded layer's rows on the GPU: ``rows`` (B, H, 2, P + 1, d), the last position for
+    the step's own token; ``slots`` (B, H, P) int64, the slot each position holds (-1: none);
+    ``position_of`` (B, H, capacity) int32, each slot's position (-1: not resident), so a placement
+    looks a slot up instead of searching."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows = torch.zeros(batch, heads, 2, 1, head_dim, dtype=dtype, device=device)
+        self.slots = torch.full((batch, heads, 0), -1, dtype=torch.int64, device=device)
+        self.position_of = torch.full((batch, heads, 0), -1, dtype=torch.int32, device=device)
+
+    def grow(self, positions: int, capacity: int) -> None:
+        """Room for at least ``positions`` rows and ``capacity`` slots (what is held stays)."""
+        self.rows = grown_to(self.rows, positions + 1, 3)  # the old token position: a free one (slot -1)
+        self.slots = grown_to(self.slots, positions, 2, fill=-1)
+        self.position_of = grown_to(self.position_of, capacity, 2, fill=-1)
+
+    def place(self, indices: torch.Tensor, selected: torch.Tensor) -> Placement:
+        """The new selection: slots ``indices`` (B, H, K), K <= P, of which ``selected`` (B, H, K)
+        are attended (distinct slots). Updates ``slots`` and ``position_of`` so that the valid
+        positions hold exactly the selected slots once the missing rows have moved."""
+        if triton is not None and indices.device.type == "cuda":
+            return _launch_place(self.slots, self.position_of, indices, selected)
+        return _place(self.slots, self.position_of, indices, selected)
+
+
+def _place(slots: torch.Tensor, position_of: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor) -> Placement:
+    """The placement in PyTorch (the CPU path, and the reference of the kernel's tests)."""
+    batch, heads, positions = slots.shape
     k = indices.shape[-1]
-    spare = n_slots  # an entry of the per-slot tables that nothing reads
-    wanted = torch.zeros(batch, heads, n_slots + 1, dtype=torch.bool, device=indices.device)
-    wanted.scatter_(-1, torch.where(selected, indices, spare), True)
-    keep = (resident >= 0) & wanted.gather(-1, resident.clamp(min=0))  # (B, H, P): rows that stay
-    held = torch.zeros_like(wanted)
-    held.scatter_(-1, torch.where(keep, resident, spare), True)
-    moving = selected & ~held.gather(-1, indices)  # (B, H, K): selected, not resident
+    at = position_of.gather(-1, indices)  # (B, H, K): where each slot is now, -1: not resident
+    moving = selected & (at < 0)
+    kept = torch.zeros(batch, heads, positions + 1, dtype=torch.bool, device=slots.device)
+    kept.scatter_(-1, torch.where(selected & (at >= 0), at, positions).long(), True)
+    kept = kept[..., :positions]
     count = moving.sum(dim=-1, dtype=torch.int32)
-    missing = _compacted(indices, moving)  # the moving slots first, in order
-    order = torch.arange(positions, device=indices.device).expand(batch, heads, positions)
-    free = _compacted(order, ~keep)[..., :k]  # the free positions first: as many as the moving rows, at least
-    in_count = torch.arange(k, device=indices.device) < count[..., None]
-    destination = torch.where(in_count, free, positions)
-    slots = torch.cat([torch.where(keep, resident, -1), resident.new_full((batch, heads, 1), -1)], dim=-1)
-    slots.scatter_(-1, destination, torch.where(in_count, missing, -1))
-    return Placement(slots[..., :positions], missing, count, destination)
+    missing = _compacted(indices, moving)
+    order = torch.arange(positions, device=slots.device).expand(batch, heads, positions)
+    destination = _compacted(order, ~kept)[..., :k].to(torch.int32)  # free positions, in order
+    b, h, p = ((slots >= 0) & ~kept).nonzero(as_tuple=True)  # dropped rows
+    position_of[b, h, slots[b, h, p]] = -1
+    slots.masked_fill_(~kept, -1)
+    b, h, j = (torch.arange(k, device=slots.device) < count[..., None]).nonzero(as_tuple=True)  # moved rows
+    slots[b, h, destination[b, h, j].long()] = missing[b, h, j]
+    position_of[b, h, missing[b, h, j]] = destination[b, h, j]
+    attend = torch.cat([slots >= 0, selected.new_zeros(batch, heads, 1)], dim=-1)
+    return Placement(missing, count, destination, attend)
 
 
 def _compacted(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -49,3 +88,89 @@ def _compacted(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     rank = torch.where(chosen, chosen.cumsum(dim=-1) - 1, n)
     out = values.new_zeros(*values.shape[:-1], n + 1)
     return out.scatter_(-1, rank, values)[..., :n]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _place_kernel(
+        slots, position_of, indices, selected, missing, count, destination, attend, kept,
+        k, positions, capacity, block: tl.constexpr,
+    ):  # fmt: skip
+        """One (batch row, head) per program, three passes over its own rows only (barriers between
+        them make each pass's stores visible to the next)."""
+        bh = tl.program_id(0)
+        slots += bh * positions
+        kept += bh * positions
+        position_of += bh * capacity
+        indices += bh * k
+        selected += bh * k
+        missing += bh * k
+        destination += bh * k
+        attend += bh * (positions + 1)
+        for start in range(0, positions, block):
+            p = start + tl.arange(0, block)
+            tl.store(kept + p, tl.zeros([block], dtype=tl.int8), mask=p < positions)
+        tl.debug_barrier()
+        # 1. the selected slots already resident keep their positions; the others move, in order
+        n_moving = 0
+        for start in range(0, k, block):
+            j = start + tl.arange(0, block)
+            chosen = tl.load(selected + j, mask=j < k, other=0) != 0
+            slot = tl.load(indices + j, mask=chosen, other=0)
+            at = tl.load(position_of + slot, mask=chosen, other=-1)
+            tl.store(kept + at, tl.full([block], 1, dtype=tl.int8), mask=chosen & (at >= 0))
+            moving = chosen & (at < 0)
+            rank = n_moving + tl.cumsum(moving.to(tl.int32), axis=0) - 1
+            tl.store(missing + rank, slot, mask=moving)
+            n_moving += tl.sum(moving.to(tl.int32), axis=0)
+        tl.store(count + bh, n_moving)
+        tl.debug_barrier()
+        # 2. the rows not kept leave; the moving ones take the free positions, in order
+        n_free = 0
+        for start in range(0, positions, block):
+            p = start + tl.arange(0, block)
+            live = p < positions
+            old = tl.load(slots + p, mask=live, other=-1)
+            keep = tl.load(kept + p, mask=live, other=0) != 0
+            tl.store(position_of + old, tl.full([block], -1, dtype=tl.int32), mask=live & (old >= 0) & ~keep)
+            free = live & ~keep
+            rank = n_free + tl.cumsum(free.to(tl.int32), axis=0) - 1
+            filled = free & (rank < n_moving)
+            new = tl.load(missing + rank, mask=filled, other=-1)
+            tl.store(destination + rank, p.to(tl.int32), mask=filled)
+            tl.store(position_of + new, p.to(tl.int32), mask=filled)
+            now = tl.where(keep, old, new)
+            tl.store(slots + p, now, mask=live)
+            tl.store(attend + p, (now >= 0).to(tl.int8), mask=live)
+            n_free += tl.sum(free.to(tl.int32), axis=0)
+        tl.store(attend + positions, 0)
+
+
+def _launch_place(
+    slots: torch.Tensor, position_of: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor
+) -> Placement:
+    batch, heads, positions = slots.shape
+    k = indices.shape[-1]
+    device = slots.device
+    missing = torch.empty(batch, heads, k, dtype=torch.int64, device=device)
+    count = torch.empty(batch, heads, dtype=torch.int32, device=device)
+    destination = torch.empty(batch, heads, k, dtype=torch.int32, device=device)
+    attend = torch.empty(batch, heads, positions + 1, dtype=torch.bool, device=device)
+    kept = torch.empty(batch, heads, positions, dtype=torch.int8, device=device)  # scratch
+    _place_kernel[(batch * heads,)](
+        slots,
+        position_of,
+        indices.contiguous(),
+        selected.contiguous().view(torch.int8),
+        missing,
+        count,
+        destination,
+        attend.view(torch.int8),
+        kept,
+        k,
+        positions,
+        position_of.shape[-1],
+        block=BLOCK,
+    )
+    return Placement(missing, count, destination, attend)

@@ -30,12 +30,19 @@ def zero_copy_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def gather_rows(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
+def gather_rows(
+    pool: KVPool,
+    indices: torch.Tensor,
+    count: torch.Tensor | None,
+    out: torch.Tensor,
+    destination: torch.Tensor | None = None,
+) -> None:
     """out (B, H, 2, K, d) on the compute device <- pool rows indices (B, H, K): each pool row
     (K and V of one token) is split into the K plane and the V plane of its head. ``count``: rows
-    per batch row (B,) or per head (B, H); the rest are zeros."""
+    per batch row (B,) or per head (B, H); the rest are zeros. ``destination`` (B, H, K): row j goes
+    to position destination[j] of out (B, H, 2, P, d) instead, and nothing past the count is written."""
     if zero_copy_available(out.device):
-        _launch_gather(pool, indices, count, out)
+        _launch_gather(pool, indices, count, out, destination)
         return
     batch, heads, k = indices.shape
     cpu_indices = indices.cpu()
@@ -46,9 +53,15 @@ def gather_rows(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None,
     for index, block in enumerate(pool.blocks):
         chosen = blocks == index
         rows[chosen] = block[b[chosen], h[chosen], slots[chosen]]
+    past_count = torch.zeros(batch, heads, k, dtype=torch.bool)
     if count is not None:  # rows past the count are zeros, as on CUDA (their slots may be unwritten)
-        rows[torch.arange(k) >= count.cpu().view(batch, -1, 1).expand(batch, heads, 1)] = 0
-    out.copy_(rows.transpose(2, 3))
+        past_count = torch.arange(k) >= count.cpu().view(batch, -1, 1).expand(batch, heads, 1)
+        rows[past_count] = 0
+    if destination is None:
+        out.copy_(rows.transpose(2, 3))
+        return
+    b, h, j = (~past_count).nonzero(as_tuple=True)
+    out[b, h, :, destination.cpu()[b, h, j].long()] = rows[b, h, j].to(out.device)
 
 
 def scatter_rows(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -74,6 +87,7 @@ if triton is not None:
         indices,
         count,
         out,
+        destination,
         k,
         kv_heads,
         count_batch_stride,
@@ -83,6 +97,7 @@ if triton is not None:
         chunks_per_head,
         n_chunks,
         has_count: tl.constexpr,
+        has_destination: tl.constexpr,
         block_tokens: tl.constexpr,
         head_dim: tl.constexpr,
         row_pow2: tl.constexpr,
@@ -105,9 +120,14 @@ if triton is not None:
             src = base.to(tl.pointer_type(out.dtype.element_ty)) + (bh * block_tokens + token % block_tokens) * row
             in_row = (col < row)[None, :]
             values = tl.load(src[:, None] + col[None, :], mask=live[:, None] & in_row, other=0)
-            # Rows past the count are written as zeros: never-initialised memory must not reach attention.
-            dst = out + bh * head_stride + j[:, None] * head_dim + dst_col[None, :]
-            tl.store(dst, values, mask=(j < k)[:, None] & in_row)
+            if has_destination:  # rows kept between steps (row reuse) stay: only moved rows are written
+                position = tl.load(destination + bh * k + j, mask=live, other=0)
+                written = live
+            else:  # rows past the count are zeros: never-initialised memory must not reach attention
+                position = j
+                written = j < k
+            dst = out + bh * head_stride + position[:, None] * head_dim + dst_col[None, :]
+            tl.store(dst, values, mask=written[:, None] & in_row)
 
     @triton.jit
     def _scatter_kernel(table, slots, rows, block_tokens: tl.constexpr, row: tl.constexpr, row_pow2: tl.constexpr):
@@ -129,7 +149,9 @@ def gather_programs(device: torch.device) -> int:
     return max(8, torch.cuda.get_device_properties(device).multi_processor_count // 2)
 
 
-def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor) -> None:
+def _launch_gather(
+    pool: KVPool, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor, destination=None
+) -> None:
     batch, heads, k = indices.shape
     head_dim = out.shape[-1]
     row = 2 * head_dim
@@ -141,6 +163,7 @@ def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | No
         indices.contiguous(),
         count if count is not None else indices,
         out,
+        destination.contiguous() if destination is not None else indices,
         k,
         heads,
         count.stride(0) if count is not None else 0,
@@ -150,6 +173,7 @@ def _launch_gather(pool: KVPool, indices: torch.Tensor, count: torch.Tensor | No
         chunks_per_head,
         n_chunks,
         has_count=count is not None,
+        has_destination=destination is not None,
         block_tokens=pool.block_tokens,
         head_dim=head_dim,
         row_pow2=triton.next_power_of_2(row),
