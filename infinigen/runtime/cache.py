@@ -32,6 +32,7 @@ from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_t
 from infinigen.runtime.policies import Selection, make_policy
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
+from infinigen.runtime.streams import side_stream
 
 ATTENTION = "infinigen"
 # SDPA backends for every attention we run: cuDNN's builds a plan per new KV length (~1 ms of host
@@ -68,11 +69,9 @@ class InfinigenCache(Cache):
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decoding = False  # whether the running forward is a decode step (one token per row)
         self.device = next(model.parameters()).device
-        # Row moves and the selections they wait for run at a higher priority than the compute: when
-        # both have blocks waiting for SMs, theirs are dispatched first (the transfer is the long pole).
         cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None  # row moves
-        self.selection_stream = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        self.stream = side_stream(self.device, "transfer") if cuda else None  # row moves
+        self.selection_stream = side_stream(self.device, "selection") if cuda else None
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.slot_range = torch.arange(0, device=self.device)

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from infinigen.errors import InfinigenError
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.graphs import capture
+from infinigen.runtime.streams import side_stream
 
 
 def cache_argument(model: PreTrainedModel) -> str:
@@ -39,7 +40,7 @@ class StepGraph:
         self.argument = cache_argument(model)
         self.signature: tuple | None = None  # the cache's step_signature the graph was captured at
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.stream = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+        self.stream = side_stream(cache.device, "capture") if cache.device.type == "cuda" else None
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

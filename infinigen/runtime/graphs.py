@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from infinigen.runtime.streams import side_stream
+
 if TYPE_CHECKING:
     from infinigen.architectures import Norm
     from infinigen.runtime.layers import OffloadedLayer
@@ -53,7 +55,7 @@ class SelectionGraph:
         self.hidden = hidden.clone()  # static inputs, refilled before each replay
         self.rope = tuple(t.clone() for t in rope) if rope is not None else ()
         static_rope = self.rope or None
-        side = torch.cuda.Stream(hidden.device)  # captures must not run on the default stream
+        side = side_stream(hidden.device, "capture")  # captures must not run on the default stream
         side.wait_stream(torch.cuda.current_stream(hidden.device))
         with torch.cuda.stream(side):
             layer.select(self.hidden, norm, static_rope)  # lazy initialisation (cuBLAS workspaces) stays outside
