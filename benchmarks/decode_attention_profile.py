@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import sdpa_kernel
 
-from infinigen.bench import captured_replay, median_ms
+from infinigen.bench import device_ms
 from infinigen.runtime.cache import DENSE_BACKENDS
 from infinigen.runtime.decode_attention import split_decode_attention
 
@@ -34,7 +34,7 @@ def main() -> None:
         keys, values = (torch.randn(batch, 8, length, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         valid = torch.rand(batch, 8, length, device="cuda") > 0.01
         args = (query, keys, values, valid, 0.088)
-        times = [median_ms(captured_replay(functools.partial(fn, *args)), keys.device) for fn in KERNELS]
+        times = [device_ms(functools.partial(fn, *args), keys.device) for fn in KERNELS]
         gb = 2 * keys.numel() * keys.element_size() / 1e9
         rates = [f"{gb / ms * 1e3:>9.0f}" for ms in times]
         print(f"{batch:>5} {length:>7} {times[0]:>8.3f} {times[1]:>9.3f} {rates[0]} {rates[1]:>10}")

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import infinigen.runtime.policies.infinigen as speculation
-from infinigen.bench import captured_replay, median_ms
+from infinigen.bench import captured_replay, device_ms
 from infinigen.runtime import top_slots as selection
 from infinigen.runtime.scoring import quantize_rows
 
@@ -47,7 +47,7 @@ def main() -> None:
                 speculation.top_slots = implementation  # what select_tokens calls
                 rule = selection.CountRule(budget, math.inf, 8)
                 select = functools.partial(speculation.select_tokens, query, codes, valid, k_max, rule, key_scale=scale)
-                times[name] = median_ms(captured_replay(select), torch.device("cuda"), repeats=50)
+                times[name] = device_ms(select, torch.device("cuda"))
             speculation.top_slots = selection.top_slots
             print(f"{batch:>5} {context:>7} {budget:>6} {times['pytorch']:>10.3f} {times['radix']:>9.3f}", flush=True)
     query, codes, scale, valid = inputs(1, 32768)

@@ -442,13 +442,20 @@ def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
 
 @torch.no_grad()
 def micro_gather(
-    device: str, dtype: torch.dtype, kv_heads: int, head_dim: int, contexts: list[int], fractions: list[float]
+    device: str,
+    dtype: torch.dtype,
+    kv_heads: int,
+    head_dim: int,
+    contexts: list[int],
+    fractions: list[float],
+    bulk: float | None,
 ) -> list[dict]:
     """The selective gather alone (one layer, batch 1, random sorted slots per head) against the
-    same run's pinned bulk copy: GB/s and share of the bulk bandwidth per context and fraction."""
+    same run's pinned bulk copy (``bulk`` GB/s; None on CPU): GB/s and share of it per context and fraction. On
+    CUDA the gathers are replayed from a CUDA graph, as decode steps run them, several back to back:
+    the figure is the device's time per call, not the host's launch cost."""
     from infinigen.runtime.pool import KVPool
 
-    bulk = pinned_bandwidth(device)  # None on CPU
     rows = []
     generator = torch.Generator().manual_seed(0)
     for context in contexts:
@@ -459,7 +466,7 @@ def micro_gather(
             slots = torch.rand(kv_heads, context, generator=generator).topk(k).indices.sort().values
             indices = slots[None].to(device)
             out = torch.empty(1, kv_heads, 2, k, head_dim, dtype=dtype, device=device)
-            ms = median_ms(functools.partial(pool.gather, indices, None, out), torch.device(device))
+            ms = device_ms(functools.partial(pool.gather, indices, None, out), torch.device(device))
             nbytes = k * kv_heads * pool.row_bytes
             rows.append(
                 {
@@ -483,8 +490,11 @@ def _speculate(x, query_projection, partial_keys, key_scale, valid, budget: floa
     select_tokens(partial_query, partial_keys, valid, k_max, CountRule(budget, math.inf, 8), key_scale=key_scale)
 
 
-def captured_replay(fn):
-    """``fn`` as a CUDA graph replay, as the runtime runs a layer's selection."""
+CALLS_PER_REPLAY = 8  # --micro on CUDA: calls per timed graph replay
+
+
+def captured_replay(fn, calls: int = 1):
+    """``fn`` called ``calls`` times back to back, captured as one CUDA graph: its replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -492,8 +502,18 @@ def captured_replay(fn):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     return graph.replay
+
+
+def device_ms(fn, device: torch.device) -> float:
+    """Milliseconds of one ``fn()``. On CUDA: replayed from a CUDA graph, as the runtime runs a
+    layer's selection and gather, several calls back to back, so the figure is the device's time
+    per call and not the host's launch cost."""
+    if device.type != "cuda":
+        return median_ms(fn, device)
+    return median_ms(captured_replay(fn, CALLS_PER_REPLAY), device) / CALLS_PER_REPLAY
 
 
 @torch.no_grad()
@@ -515,8 +535,8 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
         codes, scale = quantize_rows(partial_keys, RuntimeConfig.partial_key_bits)  # as the runtime stores them
         valid = torch.ones(batch, spec.n_kv_heads, context, dtype=torch.bool, device=device)
         speculate = functools.partial(_speculate, x, query_projection, codes, scale, valid, budget)
-        speculation_ms = median_ms(captured_replay(speculate) if device.type == "cuda" else speculate, device)
-        dense = run_case(model, None, BenchCase("hf-dynamic", batch, context, gen_len=5, warmup=2))
+        speculation_ms = device_ms(speculate, device)
+        dense = run_case(model, None, BenchCase("dense", batch, context, gen_len=5, warmup=2))
         layer_ms = dense["ms_per_step"] / spec.n_layers
         rows.append(
             {

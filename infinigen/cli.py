@@ -342,7 +342,9 @@ def bench(
         ),
     ] = False,
     micro_contexts: Annotated[str, typer.Option(help="Context lengths of --micro.")] = "4096,16384,32768,131072",
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch (with --micro: its curves).")
+    ] = None,
     graphs: Annotated[
         str,
         typer.Option(
@@ -395,6 +397,10 @@ def bench(
     if micro:
         contexts = _numbers(micro_contexts, "--micro-contexts", int)
         report |= _micro(net, device, contexts, _numbers(budgets, "--budgets")[0])
+        if plot is not None:
+            from infinigen.plots import plot_micro
+
+            report["plot"] = str(plot_micro(report, plot))
         if not _printed_json(report, as_json):
             _print_micro(report)
         return
@@ -505,7 +511,7 @@ def _random_artifact(model, shape: str, ratio: float):
 
 def _micro(model, device: str, contexts: list[int], budget: float) -> dict:
     from infinigen.architectures import model_spec
-    from infinigen.bench import micro_gather, micro_speculation
+    from infinigen.bench import micro_gather, micro_speculation, pinned_bandwidth
     from infinigen.prepare import DEFAULT_RATIO, n_channels_for
     from infinigen.runtime.speculation import padded_channels
 
@@ -513,8 +519,10 @@ def _micro(model, device: str, contexts: list[int], budget: float) -> dict:
     dtype = next(model.parameters()).dtype
     fractions = [0.01, 0.02, 0.05, 0.1, 0.2]
     rank = padded_channels(n_channels_for(DEFAULT_RATIO, spec.head_dim))
+    bulk = pinned_bandwidth(device)  # None on CPU
     return {
-        "gather": micro_gather(device, dtype, spec.n_kv_heads, spec.head_dim, contexts, fractions),
+        "pinned_h2d_gb_s": round(bulk, 1) if bulk is not None else None,
+        "gather": micro_gather(device, dtype, spec.n_kv_heads, spec.head_dim, contexts, fractions, bulk),
         "speculation": micro_speculation(model, budget, 1, contexts, rank),
     }
 
@@ -590,12 +598,16 @@ def plot(
 ) -> None:
     """Plot a saved report: bench -> tokens/s vs context and batch; eval ppl -> perplexity vs KV fetched;
     eval tasks -> mean accuracy of the tasks vs KV fetched; eval needle -> accuracy vs depth per length."""
-    from infinigen.plots import plot_accuracy, plot_bench, plot_needle, plot_tasks
+    from infinigen.plots import plot_accuracy, plot_bench, plot_micro, plot_needle, plot_tasks
 
     try:
         data = json.loads(report.read_text())
     except (OSError, ValueError) as exc:
         raise InfinigenError(f"cannot read the report {report}: {exc}") from exc
+    if isinstance(data, dict) and "gather" in data:
+        plot_micro(data, out)
+        console.print(f"wrote {out}")
+        return
     rows = data.get("results") if isinstance(data, dict) else None
     if not rows or not isinstance(rows, list):
         raise InfinigenError(f"{report} is not a report of `infinigen bench` or `infinigen eval`")

@@ -64,6 +64,32 @@ def plot_bench(report: dict, path: str | Path) -> Path:
     return _save(figure, plt, path)
 
 
+def plot_micro(report: dict, path: str | Path) -> Path:
+    """`bench --micro`: the selective gather's GB/s vs MB per call, one line per context, beside the
+    same run's pinned bulk copy (and 80% of it); speculation per layer vs our dense layer per context."""
+    plt = _pyplot()
+    figure, (gather, speculation) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for context in sorted({row["context"] for row in report["gather"]}):
+        rows = sorted((r for r in report["gather"] if r["context"] == context), key=lambda r: r["bytes"])
+        gather.plot([r["bytes"] / 1e6 for r in rows], [r["gb_s"] for r in rows], marker="o", label=_tokens(context))
+    bulk = report.get("pinned_h2d_gb_s")
+    if bulk:
+        gather.axhline(bulk, color="black", linewidth=1, label=f"pinned copy {bulk:g} GB/s")
+        gather.axhline(0.8 * bulk, color="gray", linestyle="--", linewidth=1, label="80% of it")
+    gather.set(xscale="log", xlabel="MB per gather (one layer)", ylabel="GB/s")
+    gather.set_title("selective gather, by context")
+    gather.legend(fontsize=8)
+    rows = sorted(report["speculation"], key=lambda r: r["context"])
+    contexts = [r["context"] for r in rows]
+    speculation.plot(contexts, [r["speculation_ms"] for r in rows], marker="o", label="speculation (one layer)")
+    speculation.plot(contexts, [r["dense_layer_ms"] for r in rows], marker="o", label="dense decode layer")
+    speculation.set(xscale="log", xlabel="context tokens", ylabel="ms per layer (batch 1)")
+    _tick_at(speculation, contexts, _tokens)
+    speculation.legend(fontsize=8)
+    figure.suptitle(f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}")
+    return _save(figure, plt, path)
+
+
 def _tick_at(axes, values: list[int], label) -> None:
     """x ticks at the swept values only (a log axis would tick at powers of ten)."""
     axes.set_xticks(values, [label(v) for v in values])

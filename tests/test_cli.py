@@ -333,15 +333,21 @@ def test_bench_graphs_sweep_covers_our_caches_only():
     assert wrong.exit_code != 0 and "--graphs takes step, selection, off" in wrong.output
 
 
-def test_bench_micro_on_cpu():
-    result = bench("--micro --micro-contexts 64,128 --json")
+def test_bench_micro_on_cpu(tmp_path):
+    plot = tmp_path / "micro.png"
+    result = bench(f"--micro --micro-contexts 64,128 --plot {plot} --json")
     assert result.exit_code == 0, result.output
     report = strict_json(result.stdout)
-    assert all(r["share_of_bulk"] is None for r in report["gather"])  # no pinned copy to compare with on CPU
+    assert report["pinned_h2d_gb_s"] is None  # no pinned copy to compare with on CPU
+    assert all(r["share_of_bulk"] is None for r in report["gather"])
     assert [(r["context"], r["fraction"]) for r in report["gather"][:2]] == [(64, 0.01), (64, 0.02)]
     assert len(report["gather"]) == 10 and all(r["ms"] > 0 and r["bytes"] > 0 for r in report["gather"])
     assert [r["context"] for r in report["speculation"]] == [64, 128]
     assert all(r["speculation_ms"] > 0 and r["dense_layer_ms"] > 0 for r in report["speculation"])
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    saved, replot = tmp_path / "micro.json", tmp_path / "again.png"
+    saved.write_text(result.stdout)
+    assert invoke("plot", str(saved), "--out", str(replot)).exit_code == 0 and replot.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_goes_on_past_a_case_that_does_not_fit(monkeypatch):
