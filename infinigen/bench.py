@@ -373,8 +373,10 @@ def run_case(
             "fraction_bytes": stats["fraction_bytes"],
             "h2d_mb_per_step": round(per_step / 1e6, 3),
             "h2d_gb_s": round(per_step / step_s / 1e9, 1),
-            # timed on eager steps only: a replayed step's waits are inside its graph (see --breakdown)
-            "wait_ms_per_step": None if stats["replayed_steps"] else round(stats["prefetch_wait_ms"] / steps, 2),
+            # the compute stream's waits for rows: of the last replayed step where steps replay a graph
+            "wait_ms_per_step": round(stats["prefetch_wait_ms"] / steps, 2)
+            if stats["last_replay_wait_ms"] is None
+            else round(stats["last_replay_wait_ms"], 2),
             "cpu_pool_gb": round(stats["cpu_pool_bytes"] / 1e9, 2),
         }
     del cache

@@ -824,6 +824,7 @@ def _generate_stats(cache, timer: _TokenTimer, batch: int, prompt_len: int, new_
         "bytes_device_to_host": summary["bytes_device_to_host"],
         "prefetch_wait_ms": summary["prefetch_wait_ms"],  # eager steps only
         "graph_steps": summary["replayed_steps"],
+        "last_graph_step_wait_ms": summary["last_replay_wait_ms"],
         "cpu_pool_bytes": summary["cpu_pool_bytes"],
         "evicted_tokens": summary["evicted_tokens"],
         "peak_gpu_gb": round(torch.cuda.max_memory_allocated(model.device) / gb, 3)

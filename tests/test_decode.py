@@ -206,3 +206,16 @@ def test_a_finished_cache_leaves_no_gpu_memory_behind(tokenizer, policy):
     decode_once()  # the process's first use: its streams, workspaces and kernels
     held = decode_once()
     assert [decode_once() - held for _ in range(3)] == [0, 0, 0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_replayed_step_times_its_waits_for_rows(tokenizer):
+    """The compute stream's waits for fetched rows are timed inside the captured step too: the
+    summary gives the last replay's (what `bench` reports as wait ms per step)."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cuda")
+    cache = cache_for(model, artifact, budget=0.3, block_tokens=1024)
+    decoded(model, prompts_batch("cuda"), cache)
+    summary = cache.summary()
+    assert summary["replayed_steps"] > 0 and cache.step_wait_events
+    assert 0 <= summary["last_replay_wait_ms"] < 1e3

@@ -73,12 +73,14 @@ class InfinigenCache(Cache):
         self.stream = side_stream(self.device, "transfer") if cuda else None  # row moves
         self.selection_stream = side_stream(self.device, "selection") if cuda else None
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
-        self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # eager steps' waits
+        # the captured step's waits: its events are graph nodes, so every replay times them again
+        self.step_wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.slot_range = torch.arange(0, device=self.device)
         self.slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # where a decode step's token goes
         self.driven = False  # a StepGraph runs the decode steps (and begins each one itself)
         self.capturing = False  # a decode step is being captured: no host work that a replay would skip
-        self.replayed_steps = 0  # decode steps run as graph replays (their prefetch waits are not timed)
+        self.replayed_steps = 0  # decode steps run as graph replays (the last one's waits are timed)
         # Diagnostics for `infinigen bench --breakdown`: skip the row moves (compute only), refetch
         # each layer's previous selection instead of selecting anew (what selecting costs, by
         # difference), or keep each step's gathers to replay them alone (transfer only).
@@ -293,22 +295,23 @@ class InfinigenCache(Cache):
         return self.slot_range[:n]
 
     def wait(self, fetched: Fetched) -> None:
-        """Make the compute stream wait for a prefetch (timed with events), then decode compressed rows."""
-        if fetched.ready is not None and self.capturing:  # replays are not timed
-            torch.cuda.current_stream(self.device).wait_event(fetched.ready)
-        elif fetched.ready is not None:
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        """Make the compute stream wait for a prefetch (timed with events), then decode compressed rows.
+        While a step is captured the events become graph nodes (``external``): each replay records
+        them again, so the last replay's waits can be read."""
+        if fetched.ready is not None:
+            before, after = (torch.cuda.Event(enable_timing=True, external=self.capturing) for _ in range(2))
             before.record()
             torch.cuda.current_stream(self.device).wait_event(fetched.ready)
             after.record()
-            self.wait_events.append((before, after))
+            (self.step_wait_events if self.capturing else self.wait_events).append((before, after))
         if fetched.packed is not None:
             fetched.codec.decode(fetched.packed, fetched.rows[:, :, :, : fetched.packed.shape[3]])
 
     def summary(self) -> dict:
-        if self.wait_events:
+        if self.wait_events or self.step_wait_events:
             torch.cuda.synchronize(self.device)
         wait_ms = sum(b.elapsed_time(a) for b, a in self.wait_events)
+        replay_wait_ms = sum(b.elapsed_time(a) for b, a in self.step_wait_events) if self.replayed_steps else None
         offloaded = [layer for layer in self.offloaded if layer.is_initialized]
         row_bytes = offloaded[0].pool.row_bytes if offloaded else 0
         pool_bytes = sum(layer.pool.nbytes for layer in offloaded)
@@ -316,6 +319,7 @@ class InfinigenCache(Cache):
         codec = self.policy.codec
         bits = codec.bits_per_value if codec is not None else 16  # 16-bit KV as the reference
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
+        summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
         return {"policy": self.policy.name, **summary, "replayed_steps": self.replayed_steps}
 
 

@@ -83,7 +83,7 @@ class StepGraph:
         return logits
 
     def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self.cache.capturing = True
+        self.cache.capturing, self.cache.step_wait_events = True, []
         try:
             return capture(lambda: self._forward(self.tokens, self.positions), self.stream)
         finally:
