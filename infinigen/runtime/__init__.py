@@ -45,7 +45,8 @@ def cache_for(
     **settings,
 ) -> InfinigenCache:
     """A fresh cache for one ``model.generate`` call. ``settings`` are ``RuntimeConfig`` fields
-    (policy, budget, alpha, min_tokens, dense_layers, cpu_pool_gb, eviction, block_tokens)."""
+    (policy, budget, alpha, min_tokens, dense_layers, cpu_pool_gb, eviction, block_tokens,
+    reuse_rows, ...)."""
     if isinstance(artifact, (str, Path)):
         artifact = open_artifact(artifact, model)
     artifact = artifact or getattr(model, "infinigen_artifact", None)
