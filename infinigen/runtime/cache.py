@@ -323,6 +323,9 @@ class InfinigenCache(Cache):
         return {"policy": self.policy.name, **summary, "replayed_steps": self.replayed_steps}
 
 
+# --- attention and hooks -----------------------------------------------------------------------
+
+
 def grouped_decode_attention(query, keys, values, valid, scaling, need_probs: bool = False):
     """One query token over gathered rows. query (B, H, 1, d); keys/values (B, kv_heads, S, d);
     valid (B, kv_heads or 1, S). Grouped-query heads share their KV head's rows (no repeat): each KV
