@@ -283,7 +283,7 @@ class InfinigenCache(Cache):
             layer.pool.gather(indices, count, out, destination)
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        for tensor in (indices, count, out, destination):
+        for tensor in (indices, count, destination):  # this step's (``out`` is recorded where it is allocated)
             if tensor is not None:
                 tensor.record_stream(self.stream)
         return ready

@@ -262,7 +262,10 @@ class OffloadedLayer(_Layer):
         if self.resident is None:
             batch, kv_heads = self.valid.shape[:2]
             self.resident = ResidentRows(batch, kv_heads, self.runtime.spec.head_dim, self.dtype, self.device)
+        held = self.resident.rows
         self.resident.grow(positions, self.capacity)
+        if self.resident.rows is not held:  # a new buffer, which the transfer stream writes
+            self.runtime.on_both_streams(self.resident.rows)
         return self.resident
 
     def every_slot(self) -> Selection:
