@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from infinigen.bench import BenchCase, _Decoder, _make_cache
+from infinigen.bench.runs import BenchCase, Decoder, make_cache
 
 
 @torch.no_grad()
-def decoded(model, artifact, batch: int, context: int, budget: float, gen_len: int = 8) -> tuple[_Decoder, float]:
+def decoded(model, artifact, batch: int, context: int, budget: float, gen_len: int = 8) -> tuple[Decoder, float]:
     """``infinigen`` at ``budget`` after a prefill of ``batch`` x ``context`` random tokens and
     ``gen_len`` timed decode steps: the decoder, and the median step (ms)."""
     case = BenchCase("infinigen", batch, context, budget=budget, gen_len=gen_len)
-    decoder = _Decoder(model, _make_cache(model, artifact, case), case)
+    decoder = Decoder(model, make_cache(model, artifact, case), case)
     decoder.prefill_seconds()
     step_ms = decoder.step_seconds() * 1e3
     torch.cuda.synchronize()

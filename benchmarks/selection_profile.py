@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import infinigen.runtime.policies.infinigen as speculation
-from infinigen.bench import captured_replay, device_ms
+from infinigen.bench.micro import captured_replay, device_ms
 from infinigen.runtime import top_slots as selection
 from infinigen.runtime.scoring import quantize_rows
 

@@ -13,7 +13,7 @@ import sys
 import torch
 from profiling import profiled_steps
 
-from infinigen.bench import random_model
+from infinigen.bench.shapes import random_model
 from infinigen.cli import _random_artifact
 
 STEPS = 5

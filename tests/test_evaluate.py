@@ -8,7 +8,8 @@ import math
 import torch
 from test_runtime import EXACT, tiny_setup
 
-from infinigen.evaluate import dense_forward_nll, perplexity, read_text, teacher_forced_nll
+from infinigen.eval.decoding import dense_forward_nll, read_text, teacher_forced_nll
+from infinigen.eval.perplexity import perplexity
 from infinigen.runtime import cache_for
 
 

@@ -9,8 +9,8 @@ import torch
 from test_runtime import EXACT, tiny_setup
 
 from infinigen.errors import InfinigenError
-from infinigen.evaluate import greedy_after
-from infinigen.needle import (
+from infinigen.eval.decoding import greedy_after
+from infinigen.eval.needle import (
     NEEDLE,
     QUESTION,
     SENTENCE_END,

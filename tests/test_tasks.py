@@ -12,9 +12,8 @@ import torch
 from test_runtime import EXACT, tiny_setup
 
 from infinigen.errors import InfinigenError
-from infinigen.evaluate import continuation_logprobs
-from infinigen.runtime import cache_for
-from infinigen.tasks import (
+from infinigen.eval.decoding import continuation_logprobs
+from infinigen.eval.tasks import (
     Example,
     builtin_examples,
     choice_logprobs,
@@ -28,6 +27,7 @@ from infinigen.tasks import (
     winogrande,
     with_shots,
 )
+from infinigen.runtime import cache_for
 
 
 @pytest.mark.parametrize("settings", [{"policy": "dense"}, {"policy": "infinigen", **EXACT}])
@@ -194,7 +194,7 @@ def test_builtin_tasks_need_their_packages(monkeypatch):
 
 
 def test_builtin_tasks_need_pyarrow(monkeypatch, tmp_path):
-    from infinigen.tasks import _arrow_rows
+    from infinigen.eval.tasks import _arrow_rows
 
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     with pytest.raises(InfinigenError, match=r"need pyarrow: pip install \"infinigen\[tasks\]\""):
@@ -216,7 +216,7 @@ def test_smollm2_picks_the_obvious_answers(smollm2, smollm2_artifact):
 
 
 def test_paired_difference_by_hand():
-    from infinigen.tasks import paired_against, paired_difference
+    from infinigen.eval.tasks import paired_against, paired_difference
 
     # differences 0, +1, -1, 0: mean 0, sample variance 2/3, standard error sqrt(2/3 / 4)
     assert paired_difference("1100", "1010") == {

@@ -1,6 +1,8 @@
 """Online runtime: KV cache in pinned CPU memory, one-layer-ahead speculation, selective prefetch.
 
-Reads artifacts (``infinigen.artifacts``); never imports ``infinigen.prepare``.
+Reads artifacts (``infinigen.artifacts``); never imports ``prepare`` nor its clients (``eval``,
+``bench``, ``cli``). Importing this package is cheap: torch and transformers load with the first
+name that needs them (``RuntimeConfig`` needs neither).
 
     model, tokenizer = infinigen.load("smollm2-135m", artifact="skewed/")
     cache = infinigen.cache_for(model, budget=0.2)
@@ -11,16 +13,31 @@ Reads artifacts (``infinigen.artifacts``); never imports ``infinigen.prepare``.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from infinigen.artifacts import Artifact, open_artifact
-from infinigen.models import load_model
-from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.config import RuntimeConfig
-from infinigen.runtime.decode import StepGraph, cache_argument, decode
-from infinigen.runtime.policies import POLICIES
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from infinigen.artifacts import Artifact
+    from infinigen.runtime.cache import InfinigenCache
+
+_LAZY = {
+    "InfinigenCache": "infinigen.runtime.cache",
+    "StepGraph": "infinigen.runtime.decode",
+    "cache_argument": "infinigen.runtime.decode",
+    "decode": "infinigen.runtime.decode",
+    "POLICIES": "infinigen.runtime.policies",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'infinigen.runtime' has no attribute {name!r}")
 
 
 def load(
@@ -34,6 +51,9 @@ def load(
 
     The checked artifact is kept on the model (``model.infinigen_artifact``) for ``cache_for``.
     """
+    from infinigen.artifacts import open_artifact
+    from infinigen.models import load_model
+
     loaded = load_model(model, device=device, dtype=dtype)
     loaded.model.infinigen_artifact = open_artifact(artifact, loaded.model) if artifact is not None else None
     return loaded.model, loaded.tokenizer
@@ -47,6 +67,9 @@ def cache_for(
     """A fresh cache for one ``model.generate`` call. ``settings`` are ``RuntimeConfig`` fields
     (policy, budget, alpha, min_tokens, dense_layers, cpu_pool_gb, eviction, block_tokens,
     reuse_rows, ...)."""
+    from infinigen.artifacts import open_artifact
+    from infinigen.runtime.cache import InfinigenCache
+
     if isinstance(artifact, (str, Path)):
         artifact = open_artifact(artifact, model)
     artifact = artifact or getattr(model, "infinigen_artifact", None)

@@ -1,64 +1,108 @@
-"""Run-time settings, checked once, frozen (like FlexGen's Policy)."""
+"""Run-time settings, checked once, frozen (like FlexGen's Policy).
+
+Each field is defined once, here, with its help text: the command line builds every runtime option
+of ``generate``, ``bench`` and ``eval`` from these fields (``infinigen.cli.options``). Importing this
+module needs neither torch nor transformers.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, get_args
 
 from infinigen.errors import InfinigenError
 
-EVICTIONS = ("counter", "fifo", "lru")
-LOOKAHEAD_FROM = ("input", "attention")
-PARTIAL_KEY_BITS = (4, 8, 16)
+PolicyName = Literal["dense", "full", "infinigen", "h2o", "quest", "oracle", "int4", "int2"]
+Eviction = Literal["counter", "fifo", "lru"]
+LookaheadFrom = Literal["input", "attention"]
+PartialKeyBits = Literal[4, 8, 16]
 DEFAULT_ALPHA = {"opt": 4.0}  # the paper's settings: 4 for OPT, 5 for Llama-2 (used for every RoPE family)
 ROPE_ALPHA = 5.0
 
 
+def option(default: Any, help: str, *, applies_to: str | None = None, cli: bool = True) -> Any:
+    """A config field with its command-line help. ``applies_to``: the ``Policy`` flag (``speculates``,
+    ``budgeted``, ``offloads``, ``lookahead``) of the policies it changes; a sweep varies it only for
+    them. ``cli``: False for fields the command line leaves at their default."""
+    return field(default=default, metadata={"help": help, "applies_to": applies_to, "cli": cli})
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
-    policy: str = "infinigen"  # a name in infinigen.runtime.policies.POLICIES
-    budget: float = 0.2  # most tokens fetched per step and layer, as a fraction of the cached tokens
-    alpha: float | None = None  # speculation threshold: tokens above (max - alpha), in logits; None: paper's
-    # value for the family (OPT 4, Llama family 5)
-    min_tokens: int = 8  # fewest tokens fetched per step and layer (when that many are cached)
-    dense_layers: int = 2  # the first layers keep their whole KV on the GPU (as the paper)
-    cpu_pool_gb: float | None = None  # limit of the CPU KV pool; None: no limit
-    eviction: str = "counter"  # what a full pool overwrites: counter (paper) | fifo | lru
-    block_tokens: int = 1024  # the CPU pool grows by blocks of this many tokens
-    cuda_graphs: bool = True  # on CUDA, replay decode steps (or each layer's selection) from CUDA graphs
-    # What a one-layer-ahead selection for layer i reads: "input", the residual stream entering layer
-    # i-1 (the paper; its transfer overlaps all of layer i-1), or "attention", the residual after layer
-    # i-1's attention (closer to layer i's input; the transfer overlaps only layer i-1's MLP).
-    lookahead_from: str = "input"
-    # The first this many offloaded layers read the residual after the previous layer's attention
-    # whatever ``lookahead_from`` says: the residual stream changes fastest in the first layers (on
-    # SmolLM2 the first offloaded layer alone decides the 8K needle; ACCURACY.md session 9), and one
-    # layer's shorter overlap costs little.
-    attention_lookahead_layers: int = 1
-    # Bits per value of infinigen's partial key cache on the GPU: 4 (two codes a byte with a per-token
-    # scale), 8 (int8 codes with a per-token scale) or 16 (the model's dtype, as the paper).
-    partial_key_bits: int = 4
-    # Keep each offloaded layer's fetched rows on the GPU between decode steps and move only the rows
-    # its next selection adds (``runtime.reuse``): the same rows attended, fewer bytes moved, at the
-    # GPU memory of one selection per layer. Budgeted policies with uncompressed rows, unlimited pool.
-    reuse_rows: bool = False
+    policy: PolicyName = option(
+        "infinigen",
+        "Which tokens a decode step fetches: infinigen (speculated, the paper), full (all, FlexGen-style), "
+        "dense (KV stays on the GPU), h2o, quest, oracle (exact top-k), int4 / int2 (quantized rows).",
+    )
+    budget: float = option(
+        0.2, "Most of the cached tokens fetched per step and layer, as a fraction.", applies_to="budgeted"
+    )
+    alpha: float | None = option(
+        None,
+        "Speculation threshold: tokens within alpha logits of each head's best (default: the paper's, "
+        "4 for OPT, 5 for the Llama family; inf: the budget alone).",
+        applies_to="speculates",
+    )
+    min_tokens: int = option(8, "Fewest tokens fetched per step and layer (when that many are cached).", cli=False)
+    dense_layers: int = option(2, "The first layers keep their whole KV on the GPU (as the paper).", cli=False)
+    cpu_pool_gb: float | None = option(
+        None, "Limit of the CPU KV pool in GiB (2^30 bytes); a full pool evicts. Default: no limit.", applies_to="offloads"
+    )
+    eviction: Eviction = option(
+        "counter", "What a full CPU pool overwrites: counter (the paper) | fifo | lru.", applies_to="offloads"
+    )
+    block_tokens: int = option(1024, "The CPU pool grows by blocks of this many tokens.", cli=False)
+    cuda_graphs: bool = option(
+        True, "On CUDA, replay decode steps (or each layer's selection) from CUDA graphs.", cli=False
+    )
+    # "input" reads the residual stream entering layer i-1 (the paper; its transfer overlaps all of
+    # layer i-1); "attention" the residual after layer i-1's attention (closer to layer i's input;
+    # the transfer overlaps only layer i-1's MLP).
+    lookahead_from: LookaheadFrom = option(
+        "input",
+        "What one-layer-ahead selection reads: input (the residual entering the previous layer, as the "
+        "paper) | attention (the residual after the previous layer's attention).",
+        applies_to="lookahead",
+    )
+    # The residual stream changes fastest in the first layers: on SmolLM2 the first offloaded layer
+    # alone decides the 8K needle (ACCURACY.md, "Settings chosen by measurement"), and one layer's
+    # shorter overlap costs little.
+    attention_lookahead_layers: int = option(
+        1,
+        "The first this many offloaded layers select from the residual after the previous layer's "
+        "attention, whatever --lookahead-from says.",
+        applies_to="lookahead",
+    )
+    partial_key_bits: PartialKeyBits = option(
+        4,
+        "infinigen's partial key cache on the GPU: 4 (two codes a byte + a scale per token) | 8 | 16.",
+        applies_to="speculates",
+    )
+    reuse_rows: bool = option(
+        False,
+        "Keep each layer's fetched rows on the GPU between steps and move only new ones: fewer bytes, for "
+        "the budget's share of the KV in GPU memory (budgeted policies, unlimited pool).",
+        applies_to="budgeted",
+    )
 
     def __post_init__(self) -> None:
-        if not 0 < self.budget <= 1:
+        if self.policy not in get_args(PolicyName):
+            raise InfinigenError(f"unknown policy {self.policy!r}: choose one of {', '.join(get_args(PolicyName))}")
+        if not 0 < self.budget <= 1:  # also refuses NaN
             raise InfinigenError(f"budget must be in (0, 1], got {self.budget}")
-        if self.alpha is not None and self.alpha < 0:
-            raise InfinigenError(f"alpha must be non-negative, got {self.alpha}")
+        if self.alpha is not None and not self.alpha >= 0:
+            raise InfinigenError(f"alpha must be non-negative (inf: the budget alone), got {self.alpha}")
         if self.dense_layers < 0 or self.attention_lookahead_layers < 0:
             raise InfinigenError("dense_layers and attention_lookahead_layers must be >= 0")
         if self.min_tokens < 1 or self.block_tokens < 1:
             raise InfinigenError("min_tokens and block_tokens must be >= 1")
-        if self.eviction not in EVICTIONS:
-            raise InfinigenError(f"eviction must be one of {', '.join(EVICTIONS)}, got {self.eviction!r}")
-        if self.lookahead_from not in LOOKAHEAD_FROM:
-            choices = ", ".join(LOOKAHEAD_FROM)
-            raise InfinigenError(f"lookahead_from must be one of {choices}, got {self.lookahead_from!r}")
-        if self.partial_key_bits not in PARTIAL_KEY_BITS:
-            raise InfinigenError(f"partial_key_bits must be 4, 8 or 16, got {self.partial_key_bits!r}")
-        if self.cpu_pool_gb is not None and self.cpu_pool_gb <= 0:
+        for name in ("eviction", "lookahead_from", "partial_key_bits"):
+            choices = get_args(_FIELD_TYPES[name])
+            if getattr(self, name) not in choices:
+                shown = ", ".join(map(str, choices))
+                raise InfinigenError(f"{name} must be one of {shown}, got {getattr(self, name)!r}")
+        if self.cpu_pool_gb is not None and not (0 < self.cpu_pool_gb < math.inf):
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
         if self.reuse_rows and self.cpu_pool_gb is not None:
             raise InfinigenError("reuse_rows needs an unlimited CPU pool (an evicted slot would leave a stale row)")
@@ -68,3 +112,7 @@ class RuntimeConfig:
         if self.alpha is not None:
             return self
         return replace(self, alpha=DEFAULT_ALPHA.get(model_type, ROPE_ALPHA))
+
+
+_FIELD_TYPES = {"eviction": Eviction, "lookahead_from": LookaheadFrom, "partial_key_bits": PartialKeyBits}
+RUNTIME_FIELDS = tuple(fields(RuntimeConfig))

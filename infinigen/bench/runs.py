@@ -9,7 +9,6 @@ process, so every transfer rate can be read as a share of the PCIe limit.
 
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import math
@@ -20,91 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
 from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument, cache_for
 
-SHAPES: dict[str, dict] = {
-    "opt-6.7b": dict(
-        model_type="opt",
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        ffn_dim=16384,
-        word_embed_proj_dim=4096,
-        vocab_size=50272,
-        max_position_embeddings=2048,
-    ),
-    "opt-13b": dict(
-        model_type="opt",
-        hidden_size=5120,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        ffn_dim=20480,
-        word_embed_proj_dim=5120,
-        vocab_size=50272,
-        max_position_embeddings=2048,
-    ),
-    "opt-30b": dict(
-        model_type="opt",
-        hidden_size=7168,
-        num_hidden_layers=48,
-        num_attention_heads=56,
-        ffn_dim=28672,
-        word_embed_proj_dim=7168,
-        vocab_size=50272,
-        max_position_embeddings=2048,
-    ),
-    "llama-2-7b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        intermediate_size=11008,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-    ),
-    "llama-3-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-    ),
-    "tiny-llama": dict(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=512,
-        max_position_embeddings=4096,
-    ),
-}
 HF_BASELINES = ("hf-dynamic", "hf-offloaded")  # transformers' own caches, for reference
 BUDGETED = tuple(name for name, policy in POLICIES.items() if policy.budgeted)  # --budgets sweeps them
 GRAPHS = ("step", "selection", "off")  # BenchCase.graphs
 LOOKAHEAD = tuple(name for name, p in POLICIES.items() if p.offloads and p.lookahead)  # select one layer ahead
 SPECULATING = tuple(name for name, policy in POLICIES.items() if policy.speculates)
-
-
-def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
-    if shape not in SHAPES:
-        raise InfinigenError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
-    fields = dict(SHAPES[shape])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
 
 
 def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
@@ -197,7 +123,7 @@ def bench_cases(
     return cases
 
 
-def _make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase):
+def make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase):
     if case.policy == "hf-dynamic":
         return DynamicCache(config=model.config)
     if case.policy == "hf-offloaded":
@@ -221,7 +147,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Decoder:
+class Decoder:
     """Drives one cache through a prefill and timed greedy decode steps (an ``InfinigenCache``'s
     through ``StepGraph`` where ``case.graphs`` is "step")."""
 
@@ -345,8 +271,8 @@ def run_case(
     _release_cached_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    cache = _make_cache(model, artifact, case)
-    decoder = _Decoder(model, cache, case, text_ids)
+    cache = make_cache(model, artifact, case)
+    decoder = Decoder(model, cache, case, text_ids)
     prefill_s = decoder.prefill_seconds()
     prefill_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
@@ -393,8 +319,8 @@ def breakdown(
     the selection's share of the step is what that saves. (With row reuse a refetched selection
     moves nothing, so that share then counts the row moves too.)"""
     device = next(model.parameters()).device
-    cache = _make_cache(model, artifact, case)
-    decoder = _Decoder(model, cache, case, text_ids)
+    cache = make_cache(model, artifact, case)
+    decoder = Decoder(model, cache, case, text_ids)
     decoder.prefill_seconds()
     full_step = decoder.step_seconds() * 1e3
     cache.select_rows = False
@@ -423,129 +349,3 @@ def breakdown(
     }
 
 
-def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
-    """Median milliseconds of ``fn()`` (after one warm-up call): between CUDA events on a GPU."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type != "cuda":
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            continue
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times)
-
-
-@torch.no_grad()
-def micro_gather(
-    device: str,
-    dtype: torch.dtype,
-    kv_heads: int,
-    head_dim: int,
-    contexts: list[int],
-    fractions: list[float],
-    bulk: float | None,
-) -> list[dict]:
-    """The selective gather alone (one layer, batch 1, random sorted slots per head) against the
-    same run's pinned bulk copy (``bulk`` GB/s; None on CPU): GB/s and share of it per context and fraction. On
-    CUDA the gathers are replayed from a CUDA graph, as decode steps run them, several back to back:
-    the figure is the device's time per call, not the host's launch cost."""
-    from infinigen.runtime.pool import KVPool
-
-    rows = []
-    generator = torch.Generator().manual_seed(0)
-    for context in contexts:
-        pool = KVPool(1, kv_heads, head_dim, dtype, torch.device(device), block_tokens=1024)
-        pool.reserve(context)
-        for fraction in fractions:
-            k = max(1, round(fraction * context))
-            slots = torch.rand(kv_heads, context, generator=generator).topk(k).indices.sort().values
-            indices = slots[None].to(device)
-            out = torch.empty(1, kv_heads, 2, k, head_dim, dtype=dtype, device=device)
-            ms = device_ms(functools.partial(pool.gather, indices, None, out), torch.device(device))
-            nbytes = k * kv_heads * pool.row_bytes
-            rows.append(
-                {
-                    "context": context,
-                    "fraction": fraction,
-                    "bytes": nbytes,
-                    "ms": round(ms, 3),
-                    "gb_s": round(nbytes / ms / 1e6, 1),
-                    "share_of_bulk": round(nbytes / ms / 1e6 / bulk, 3) if bulk else None,
-                }
-            )
-    return rows
-
-
-def _speculate(x, query_projection, partial_keys, key_scale, valid, budget: float) -> None:
-    from infinigen.runtime.policies.infinigen import select_tokens
-    from infinigen.runtime.top_slots import CountRule
-
-    partial_query = torch.einsum("bx,hxr->bhr", x, query_projection)
-    k_max = math.ceil(budget * partial_keys.shape[2])
-    select_tokens(partial_query, partial_keys, valid, k_max, CountRule(budget, math.inf, 8), key_scale=key_scale)
-
-
-CALLS_PER_REPLAY = 8  # --micro on CUDA: calls per timed graph replay
-
-
-def captured_replay(fn, calls: int = 1):
-    """``fn`` called ``calls`` times back to back, captured as one CUDA graph: its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph.replay
-
-
-def device_ms(fn, device: torch.device) -> float:
-    """Milliseconds of one ``fn()``. On CUDA: replayed from a CUDA graph, as the runtime runs a
-    layer's selection and gather, several calls back to back, so the figure is the device's time
-    per call and not the host's launch cost."""
-    if device.type != "cuda":
-        return median_ms(fn, device)
-    return median_ms(captured_replay(fn, CALLS_PER_REPLAY), device) / CALLS_PER_REPLAY
-
-
-@torch.no_grad()
-def micro_speculation(model: PreTrainedModel, budget: float, batch: int, contexts: list[int], rank: int) -> list[dict]:
-    """Speculation of one layer (partial query projection, scores over the partial key cache, per-row
-    count, top-k; replayed from a CUDA graph on CUDA, as the runtime does) against the layer's own
-    share of a dense decode step, per context length."""
-    from infinigen.architectures import model_spec
-    from infinigen.runtime.scoring import quantize_rows
-
-    spec = model_spec(model.config)
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    rows = []
-    for context in contexts:
-        x = torch.randn(batch, spec.hidden_size, device=device, dtype=dtype)
-        query_projection = torch.randn(spec.n_heads, spec.hidden_size, rank, device=device, dtype=dtype)
-        partial_keys = torch.randn(batch, spec.n_kv_heads, context, rank, device=device, dtype=dtype)
-        codes, scale = quantize_rows(partial_keys, RuntimeConfig.partial_key_bits)  # as the runtime stores them
-        valid = torch.ones(batch, spec.n_kv_heads, context, dtype=torch.bool, device=device)
-        speculate = functools.partial(_speculate, x, query_projection, codes, scale, valid, budget)
-        speculation_ms = device_ms(speculate, device)
-        dense = run_case(model, None, BenchCase("dense", batch, context, gen_len=5, warmup=2))
-        layer_ms = dense["ms_per_step"] / spec.n_layers
-        rows.append(
-            {
-                "context": context,
-                "speculation_ms": round(speculation_ms, 3),
-                "dense_layer_ms": round(layer_ms, 3),
-                "speculation_share": round(speculation_ms / layer_ms, 3),
-            }
-        )
-    return rows

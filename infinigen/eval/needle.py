@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.evaluate import greedy_after
+from infinigen.eval.decoding import greedy_after
 from infinigen.runtime import cache_for
 
 NEEDLE = " The secret code is {code}."

@@ -1,0 +1,3 @@
+"""Speed, a client of the runtime: decode steps of every policy timed in one process (``runs``),
+micro-benchmarks of the gather and the speculation (``micro``), random-weight model shapes
+(``shapes``) and their plots. The runtime never imports this package."""

@@ -1,0 +1,97 @@
+"""Random-weight models of known shapes, built directly on the device, and artifacts calibrated for them."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from infinigen.errors import InfinigenError
+
+SHAPES: dict[str, dict] = {
+    "opt-6.7b": dict(
+        model_type="opt",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        ffn_dim=16384,
+        word_embed_proj_dim=4096,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+    ),
+    "opt-13b": dict(
+        model_type="opt",
+        hidden_size=5120,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        ffn_dim=20480,
+        word_embed_proj_dim=5120,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+    ),
+    "opt-30b": dict(
+        model_type="opt",
+        hidden_size=7168,
+        num_hidden_layers=48,
+        num_attention_heads=56,
+        ffn_dim=28672,
+        word_embed_proj_dim=7168,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+    ),
+    "llama-2-7b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
+    "tiny-llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    ),
+}
+
+def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
+    if shape not in SHAPES:
+        raise InfinigenError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+
+
+def random_artifact(model: PreTrainedModel, shape: str, ratio: float):
+    """An artifact for a random-weight model, calibrated on random tokens."""
+    from infinigen.models import LoadedModel, ModelSource
+    from infinigen.prepare import prepare_artifact
+    from infinigen.prepare.calibration import CalibrationSample
+
+    calibration = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
+    return prepare_artifact(
+        LoadedModel(model, None, ModelSource(shape, None, "random")),
+        samples=[CalibrationSample("random tokens", "", calibration)],
+        ratio=ratio,
+    )
