@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.architectures import model_spec
 from infinigen.errors import InfinigenError
@@ -133,12 +133,13 @@ def load_model(name: str | None = None, *, device: str | None = None, dtype: str
     target, kwargs, source = locate(name)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
+        # the config alone first: an unsupported architecture fails before the weights load
+        model_spec(AutoConfig.from_pretrained(target, **kwargs))
         tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **kwargs)
-    except OSError as exc:  # not found locally / on the Hub / offline without a cached copy
+    except (OSError, ValueError) as exc:  # not found locally / on the Hub / offline; a malformed checkpoint
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InfinigenError(f"could not load model {source.model_id!r}: {first_line}") from exc
-    model_spec(model.config)  # unsupported architectures fail here, before any work
     model.to(device).eval()
     revision = getattr(model.config, "_commit_hash", None) if source.kind == "hub" else None
     source = ModelSource(source.model_id, revision, source.kind, source.hub_id)

@@ -13,10 +13,10 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-import infinigen.bench
-from infinigen import __version__, cli
+import infinigen.bench.runs
+from infinigen import __version__
 from infinigen.artifacts import load_artifact
-from infinigen.cli import app
+from infinigen.cli import app, render
 
 runner = CliRunner()
 
@@ -25,21 +25,32 @@ def invoke(*args: str):
     return runner.invoke(app, list(args), catch_exceptions=False)
 
 
-def test_command_defaults_are_the_library_defaults():
-    """The CLI spells its defaults as literals (it starts without importing torch): they must stay
-    the library's."""
-    import inspect
+def test_runtime_options_come_from_runtime_config():
+    """Every command's runtime options are built from RuntimeConfig's fields: same names, help and
+    defaults (a sweep's default is the field's unless the command compares others)."""
+    import dataclasses
 
-    from infinigen.prepare import DEFAULT_RATIO
+    import typer.main
+
+    from infinigen.cli.options import cli_fields, option_name
     from infinigen.runtime import RuntimeConfig
 
-    def default(command, name):
-        return inspect.signature(command).parameters[name].default
-
-    assert default(cli.prepare, "ratio") == DEFAULT_RATIO and default(cli.bench, "ratio") == str(DEFAULT_RATIO)
-    assert default(cli.bench, "partial_key_bits") == str(RuntimeConfig.partial_key_bits)
-    for command in (cli.generate, cli.ppl, cli.tasks, cli.needle):
-        assert default(command, "partial_key_bits") == RuntimeConfig.partial_key_bits, command.__name__
+    fields = cli_fields()
+    assert {f.name for f in fields} >= {"policy", "budget", "alpha", "partial_key_bits", "reuse_rows"}
+    group = typer.main.get_command(app)
+    commands = {"generate": group.commands["generate"], "bench": group.commands["bench"]}
+    commands |= {f"eval {name}": group.commands["eval"].commands[name] for name in ("ppl", "tasks", "needle")}
+    for label, command in commands.items():
+        params = {p.name: p for p in command.params}
+        for f in fields:
+            param = params[f.name]
+            assert param.help.startswith(f.metadata["help"]), (label, f.name)
+            assert option_name(f.name) in param.opts, (label, f.name)
+        if label == "generate":
+            assert all(params[f.name].default == f.default for f in fields)
+    assert {f.name for f in dataclasses.fields(RuntimeConfig)} - {f.name for f in fields} == {
+        f.name for f in dataclasses.fields(RuntimeConfig) if not f.metadata["cli"]
+    }
 
 
 @pytest.fixture
@@ -220,7 +231,7 @@ def test_bench_tiny_on_cpu(monkeypatch):
     assert 0 < rows[("infinigen", 0.2)]["fraction_fetched"] < rows[("infinigen", 0.5)]["fraction_fetched"] <= 0.51
     progress = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     assert progress == report["results"]  # each row on stderr as it finishes: a cut-off run keeps them
-    monkeypatch.setattr(cli, "console", Console(width=400))  # no cell folded over lines
+    monkeypatch.setattr(render, "console", Console(width=400))  # no cell folded over lines
     table = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies full")
     assert table.exit_code == 0 and "tiny-llama float32 on cpu" in table.stdout
     assert "ms/step" in table.stdout and "peak GPU GB" not in table.stdout  # no GPU: its column left out
@@ -242,7 +253,7 @@ def test_bench_sweeps_and_plots(tmp_path):
 def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_path):
     """--model runs real weights with their artifact and the family's alpha (reported per row), on
     prompts cut from --text; --repeat keeps the median of its runs."""
-    from infinigen.bench import prompt_ids
+    from infinigen.bench.runs import prompt_ids
     from infinigen.runtime import RuntimeConfig
 
     folder, out, text = checkpoint("qwen2"), tmp_path / "skewed", tmp_path / "book.txt"
@@ -274,7 +285,7 @@ def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_pat
         ("--shape tiny-llama --text book.txt", "--artifact and --text go with --model"),
         ("--model {folder} --ratio 0.3", "with --model the artifact sets it"),
         ("--model {folder} --policies infinigen", "speculating policies need the model's artifact"),
-        ("--shape tiny-llama --repeat 0", "--repeat must be at least 1"),
+        ("--shape tiny-llama --repeat 0", "--repeat and --gen-len must be at least 1"),
     ],
 )
 def test_bench_refuses_bad_combinations(checkpoint, args, message):
@@ -313,7 +324,7 @@ def test_bench_row_reuse_sweep():
         plain, reusing = rows[policy, False], rows[policy, True]
         assert reusing["fraction_fetched"] == pytest.approx(plain["fraction_fetched"], abs=1e-3)
         assert reusing["h2d_mb_per_step"] < plain["h2d_mb_per_step"]
-    wrong = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies infinigen --reuse-rows yes")
+    wrong = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies infinigen --reuse-rows maybe")
     assert wrong.exit_code != 0 and "--reuse-rows takes off or on" in wrong.output
 
 
@@ -353,14 +364,14 @@ def test_bench_micro_on_cpu(tmp_path):
 def test_bench_goes_on_past_a_case_that_does_not_fit(monkeypatch):
     """A sweep reaches sizes where dense decoding does not fit the GPU: that case becomes a row with
     its error, and the cases after it still run."""
-    real_run_case = infinigen.bench.run_case
+    real_run_case = infinigen.bench.runs.run_case
 
     def run_case(model, artifact, case, text_ids=None):
         if case.policy == "dense" and case.batch == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
         return real_run_case(model, artifact, case, text_ids)
 
-    monkeypatch.setattr(infinigen.bench, "run_case", run_case)
+    monkeypatch.setattr(infinigen.bench.runs, "run_case", run_case)
     result = bench("--batch 1,2 --prompt-len 32 --gen-len 1 --policies dense,full --breakdown --json")
     assert result.exit_code == 0, result.output
     report = strict_json(result.stdout)
@@ -369,19 +380,19 @@ def test_bench_goes_on_past_a_case_that_does_not_fit(monkeypatch):
     assert "ms_per_step" not in rows[("dense", 2)]
     assert all("error" not in row and row["ms_per_step"] > 0 for key, row in rows.items() if key != ("dense", 2))
     assert [b["batch"] for b in report["breakdown"]] == [1, 2]  # full's breakdown at both batches
-    monkeypatch.setattr(cli, "console", Console(width=400))  # no cell folded over lines
+    monkeypatch.setattr(render, "console", Console(width=400))  # no cell folded over lines
     table = bench("--batch 2 --prompt-len 32 --gen-len 1 --policies full,dense")
     assert table.exit_code == 0 and "out of GPU memory" in table.stdout
 
 
 def test_bench_plot_picks_the_sweeps_of_a_joined_report():
     """A context sweep at batch 1 joined with a batch sweep at 8K plots both sweeps."""
-    from infinigen.plots import _widest_sweep
+    from infinigen.bench.plots import widest_sweep
 
     rows = [{"batch": 1, "prompt_len": n} for n in (8192, 32768, 131072)]
     rows += [{"batch": b, "prompt_len": 8192} for b in (4, 8, 16, 32)]
-    assert _widest_sweep(rows, "batch", "prompt_len") == 1
-    assert _widest_sweep(rows, "prompt_len", "batch") == 8192
+    assert widest_sweep(rows, "batch", "prompt_len") == 1
+    assert widest_sweep(rows, "prompt_len", "batch") == 8192
 
 
 def test_generate_out_of_memory_is_one_line(prepared, tmp_path, monkeypatch):
@@ -406,7 +417,7 @@ def test_eval_ppl(prepared, tmp_path):
     result = invoke(*args.split(), "--budgets", "0.5", "--device", "cpu", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("dense", 1.0), ("infinigen", 0.5)]
+    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("dense", None), ("infinigen", 0.5)]
     assert report["windows"] == 3 and all(r["tokens_scored"] == 3 * 32 for r in report["results"])
     progress = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     assert progress == report["results"]  # each row on stderr as it finishes
@@ -430,7 +441,7 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     report = json.loads(result.stdout)
     assert all(set(r["tasks"]) == {"toy", "other"} for r in report["results"])
     assert [(r["policy"], r["budget"]) for r in report["results"]] == [
-        ("dense", 1.0),
+        ("dense", None),
         ("infinigen", 0.5),
         ("infinigen", 1.0),
     ]
@@ -443,7 +454,7 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     expected = [(r["policy"], name, r["tasks"][name]["hits"]) for r in report["results"] for name in ("toy", "other")]
     assert [(p["policy"], p["task"], p["hits"]) for p in progress] == expected  # a cut-off run keeps them
     same = report["results"][2]["paired"]
-    assert same["reference"] == {"policy": "dense", "budget": 1.0} and same["tasks"]["toy"]["difference"] == 0
+    assert same["reference"] == {"policy": "dense", "budget": None} and same["tasks"]["toy"]["difference"] == 0
     assert same["all_examples"] == {"difference": 0.0, "standard_error": 0.0, "better": 0, "worse": 0}
     assert report["results"][1]["average"]["fraction_fetched"] == toy[1]["fraction_fetched"] > 0
     assert toy[1]["fraction_bytes"] == toy[1]["fraction_fetched"]  # infinigen moves 16-bit rows
@@ -472,7 +483,7 @@ def test_eval_needle(prepared, tmp_path):
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("dense", 1.0), ("infinigen", 0.5)]
+    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("dense", None), ("infinigen", 0.5)]
     assert all(len(r["cells"]) == 4 and len(r["answers"]) == 8 for r in report["results"])
     saved, png = tmp_path / "needle.json", tmp_path / "needle.png"
     saved.write_text(result.stdout)

@@ -11,7 +11,7 @@ import time
 import torch
 from transformers import PreTrainedModel
 
-from infinigen.bench.runs import BenchCase, run_case
+from infinigen.bench.runs import BenchCase, pinned_bandwidth, run_case
 from infinigen.runtime import RuntimeConfig
 
 
@@ -141,3 +141,22 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
             }
         )
     return rows
+
+
+def micro_report(model: PreTrainedModel, contexts: list[int], budget: float) -> dict:
+    """``bench --micro``: the gather over fractions of each context, and speculation at ``budget``."""
+    from infinigen.architectures import model_spec
+    from infinigen.prepare import DEFAULT_RATIO, n_channels_for
+    from infinigen.runtime.speculation import padded_channels
+
+    spec = model_spec(model.config)
+    param = next(model.parameters())
+    device = str(param.device)
+    fractions = [0.01, 0.02, 0.05, 0.1, 0.2]
+    rank = padded_channels(n_channels_for(DEFAULT_RATIO, spec.head_dim))
+    bulk = pinned_bandwidth(device)  # None on CPU
+    return {
+        "pinned_h2d_gb_s": round(bulk, 1) if bulk is not None else None,
+        "gather": micro_gather(device, param.dtype, spec.n_kv_heads, spec.head_dim, contexts, fractions, bulk),
+        "speculation": micro_speculation(model, budget, 1, contexts, rank),
+    }

@@ -9,6 +9,7 @@ process, so every transfer rate can be read as a share of the PCIe limit.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import math
@@ -16,7 +17,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -24,13 +25,10 @@ from transformers import DynamicCache, PreTrainedModel
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
-from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument, cache_for
+from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument
+from infinigen.runtime.config import config_from
 
-HF_BASELINES = ("hf-dynamic", "hf-offloaded")  # transformers' own caches, for reference
-BUDGETED = tuple(name for name, policy in POLICIES.items() if policy.budgeted)  # --budgets sweeps them
 GRAPHS = ("step", "selection", "off")  # BenchCase.graphs
-LOOKAHEAD = tuple(name for name, p in POLICIES.items() if p.offloads and p.lookahead)  # select one layer ahead
-SPECULATING = tuple(name for name, policy in POLICIES.items() if policy.speculates)
 
 
 def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
@@ -52,25 +50,30 @@ def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> fl
 
 @dataclass(frozen=True)
 class BenchCase:
-    policy: str
+    policy: str  # a runtime policy, or one of transformers' caches (HF_BASELINES)
     batch: int
     prompt_len: int
     gen_len: int = 16
     warmup: int = 3
-    budget: float = 0.2
-    alpha: float = math.inf  # speculation threshold; inf (random weights): the budget alone fixes the count
     # step: whole decode steps as CUDA graphs (``infinigen.decode``); selection: transformers' own
     # loop, each layer's selection a CUDA graph (plain ``model.generate``); off: no graphs
     graphs: str = "step"
-    lookahead_from: str = "input"
-    attention_lookahead_layers: int = RuntimeConfig.attention_lookahead_layers
-    partial_key_bits: int = RuntimeConfig.partial_key_bits
     ratio: float = DEFAULT_RATIO  # the artifact's partial channels (speculating policies)
-    reuse_rows: bool = RuntimeConfig.reuse_rows  # budgeted policies: rows stay on the GPU between steps
+    # further RuntimeConfig fields (a ``settings_grid`` row; None: the field's default). Random
+    # weights run with alpha = inf: their attention is near uniform, so the budget alone sets the count.
+    runtime: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.graphs not in GRAPHS:
             raise InfinigenError(f"--graphs takes {', '.join(GRAPHS)}, got {self.graphs!r}")
+
+    @property
+    def ours(self) -> bool:
+        return self.policy in POLICIES
+
+    @property
+    def config(self) -> RuntimeConfig:
+        return config_from({**self.runtime, "policy": self.policy, "cuda_graphs": self.graphs != "off"})
 
 
 def bench_cases(
@@ -79,47 +82,21 @@ def bench_cases(
     prompt_lens: list[int],
     gen_len: int,
     *,
-    graphs: tuple[str, ...] = ("step",),
-    lookahead_from: tuple[str, ...] = ("input",),
-    attention_lookahead_layers: tuple[int, ...] = (RuntimeConfig.attention_lookahead_layers,),
-    partial_key_bits: tuple[int, ...] = (RuntimeConfig.partial_key_bits,),
-    ratios: tuple[float, ...] = (DEFAULT_RATIO,),
-    reuse_rows: tuple[bool, ...] = (RuntimeConfig.reuse_rows,),
+    graphs: list[str] = ("step",),
+    ratios: list[float] = (DEFAULT_RATIO,),
 ) -> list[BenchCase]:
-    """Every context x batch x policy setting; the runtime-option sweeps multiply only the policies
-    they change (ratio and partial-key bits: speculating policies; lookahead_from and
-    attention_lookahead_layers: offloading ones that select one layer ahead; reuse_rows: budgeted
-    ones; graphs: our caches)."""
+    """Every context x batch x ``settings`` row (``settings_grid``: runtime sweeps already vary only
+    the policies they change), times the graph modes (our caches) and the artifact ratios
+    (speculating policies)."""
     cases = []
-    for n, b, setting in itertools.product(prompt_lens, batches, settings):
-        policy = POLICIES.get(setting["policy"])  # None: transformers' own caches
+    for n, b, row in itertools.product(prompt_lens, batches, settings):
+        policy = POLICIES.get(row["policy"])
         speculates = policy is not None and policy.speculates
-        looks_ahead = policy is not None and policy.offloads and policy.lookahead
-        budgeted = policy is not None and policy.budgeted and policy.codec is None
-        for ratio, bits, source, attention_layers, graph, reuse in itertools.product(
-            ratios if speculates else ratios[:1],
-            partial_key_bits if speculates else partial_key_bits[:1],
-            lookahead_from if looks_ahead else lookahead_from[:1],
-            attention_lookahead_layers if looks_ahead else attention_lookahead_layers[:1],
-            graphs if policy is not None else graphs[:1],
-            reuse_rows if budgeted else reuse_rows[:1],
+        for graph, ratio in itertools.product(
+            graphs if policy is not None else graphs[:1], ratios if speculates else ratios[:1]
         ):
-            cases.append(
-                BenchCase(
-                    setting["policy"],
-                    b,
-                    n,
-                    gen_len,
-                    budget=setting["budget"],
-                    alpha=setting.get("alpha", math.inf),
-                    graphs=graph,
-                    lookahead_from=source,
-                    attention_lookahead_layers=attention_layers,
-                    partial_key_bits=bits,
-                    ratio=ratio,
-                    reuse_rows=reuse,
-                )
-            )
+            runtime = {key: value for key, value in row.items() if key != "policy"}
+            cases.append(BenchCase(row["policy"], b, n, gen_len, graphs=graph, ratio=ratio, runtime=runtime))
     return cases
 
 
@@ -128,18 +105,7 @@ def make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCas
         return DynamicCache(config=model.config)
     if case.policy == "hf-offloaded":
         return DynamicCache(config=model.config, offloading=True)
-    return cache_for(
-        model,
-        artifact,
-        policy=case.policy,
-        budget=case.budget,
-        alpha=case.alpha,
-        cuda_graphs=case.graphs != "off",
-        lookahead_from=case.lookahead_from,
-        attention_lookahead_layers=case.attention_lookahead_layers,
-        partial_key_bits=case.partial_key_bits,
-        reuse_rows=case.reuse_rows,
-    )
+    return InfinigenCache(model, case.config, artifact)
 
 
 def _sync(device: torch.device) -> None:
@@ -204,19 +170,17 @@ def prompt_ids(batch: int, length: int, vocab_size: int, text_ids: torch.Tensor 
 
 def case_settings(case: BenchCase) -> dict:
     """A result row's first columns: what the case ran (None where a setting does not apply)."""
+    policy = POLICIES.get(case.policy)
+    alpha = case.runtime.get("alpha")
     return {
         "policy": case.policy,
         "batch": case.batch,
         "prompt_len": case.prompt_len,
-        "budget": case.budget if case.policy in BUDGETED else None,
-        "graphs": case.graphs if case.policy not in HF_BASELINES else None,
-        "lookahead_from": case.lookahead_from if case.policy in LOOKAHEAD else None,
-        "attention_lookahead_layers": case.attention_lookahead_layers if case.policy in LOOKAHEAD else None,
-        "partial_key_bits": case.partial_key_bits if case.policy in SPECULATING else None,
-        "ratio": case.ratio if case.policy in SPECULATING else None,
-        "reuse_rows": case.reuse_rows if case.policy in BUDGETED else None,
+        **{name: value for name, value in case.runtime.items() if name != "alpha"},
+        "graphs": case.graphs if case.ours else None,
+        "ratio": case.ratio if policy is not None and policy.speculates else None,
         # None: no threshold, the budget alone sets the count (random weights); else the count rule's alpha
-        "alpha": case.alpha if case.policy in SPECULATING and case.alpha < math.inf else None,
+        "alpha": alpha if alpha is not None and alpha < math.inf else None,
     }
 
 
@@ -290,7 +254,7 @@ def run_case(
         else None,
         "warmup_peak_gpu_gb": round(decoder.warmup_peak / 1e9, 2) if device.type == "cuda" else None,
     }
-    if case.policy not in HF_BASELINES:
+    if case.ours:
         stats = cache.summary()
         steps = case.warmup + case.gen_len
         per_step = stats["bytes_host_to_device"] / steps
@@ -349,3 +313,82 @@ def breakdown(
     }
 
 
+def case_label(case: BenchCase) -> str:
+    """A bench case for a progress bar: policy (budget), batch x context."""
+    budget = case.runtime.get("budget")
+    return f"{case.policy}{'' if budget is None else f' {budget}'}, {case.batch} x {case.prompt_len}"
+
+
+def run_sweep(
+    model: PreTrainedModel,
+    artifacts: dict[float, Artifact | None],
+    cases: list[BenchCase],
+    *,
+    repeat: int = 1,
+    text_ids: torch.Tensor | None = None,
+    split: bool = False,
+    on_case: Callable[[str], None] = lambda label: None,
+    on_row: Callable[[dict], None] = lambda row: None,
+) -> tuple[list[dict], list[dict]]:
+    """Every case (``artifacts``: per ratio), then with ``split`` the ``breakdown`` of the offloaded
+    ones: (result rows, breakdown rows). ``on_case`` hears each case as it starts, ``on_row`` each
+    result row as it finishes."""
+    device = next(model.parameters()).device
+    # The first case of a process runs slower (one-time library and autotuning work): an untimed
+    # short run of it goes first.
+    first = replace(cases[0], gen_len=2, warmup=1)
+    unless_out_of_memory(functools.partial(run_case, model, artifacts[first.ratio], first, text_ids), first, device)
+    rows, splits = [], []
+    for case in cases:
+        on_case(case_label(case))
+        rows.append(run_repeated(model, artifacts[case.ratio], case, repeat, text_ids))
+        on_row(rows[-1])
+    for case in cases if split else []:
+        if case.policy in ("full", "infinigen"):
+            on_case(f"{case_label(case)}, breakdown")
+            step = functools.partial(breakdown, model, artifacts[case.ratio], case, text_ids)
+            splits.append(unless_out_of_memory(step, case, device))
+    return rows, splits
+
+
+@dataclass
+class Subject:
+    """What a benchmark runs on: random weights of a known shape (their artifacts are calibrated per
+    ratio on random tokens), or real weights with their checked artifact and prompts cut from a text."""
+
+    model: PreTrainedModel
+    shape: str | None  # random weights of this shape; None: real weights
+    artifact: Artifact | None = None  # real weights: their checked artifact
+    text_ids: torch.Tensor | None = None  # (T,) the text's tokens; None: random prompts
+    alpha: float = math.inf  # the count rule's default: inf for random weights (the budget alone), else the family's
+
+
+def load_subject(
+    shape: str, model: str | None, artifact: str | None, text: str | None, device: str, dtype: str | None
+) -> Subject:
+    from infinigen.artifacts import open_artifact
+    from infinigen.bench.shapes import random_model
+    from infinigen.eval.decoding import read_text
+    from infinigen.models import load_model, parse_dtype
+
+    if model is None:
+        if artifact is not None or text is not None:
+            raise InfinigenError("--artifact and --text go with --model (random shapes calibrate their own artifacts)")
+        return Subject(random_model(shape, device, parse_dtype(dtype, device)), shape)
+    loaded = load_model(model, device=device, dtype=dtype)
+    checked = open_artifact(artifact, loaded.model) if artifact is not None else None
+    text_ids = loaded.tokenizer(read_text(text), return_tensors="pt").input_ids[0] if text is not None else None
+    alpha = RuntimeConfig().for_model(loaded.model.config.model_type).alpha
+    return Subject(loaded.model, None, checked, text_ids, alpha)
+
+
+def subject_artifacts(subject: Subject, cases: list[BenchCase]) -> dict[float, Artifact | None]:
+    """The artifact of each ratio the cases run: calibrated for random weights, the checked one else."""
+    from infinigen.bench.shapes import random_artifact
+
+    ratios = sorted({case.ratio for case in cases})
+    if subject.shape is not None:
+        return {ratio: random_artifact(subject.model, subject.shape, ratio) for ratio in ratios}
+    if subject.artifact is None and any(POLICIES[c.policy].speculates for c in cases if c.ours):
+        raise InfinigenError("speculating policies need the model's artifact: pass --artifact")
+    return dict.fromkeys(ratios, subject.artifact)

@@ -7,7 +7,7 @@ decode path that serves tokens (speculation, fetch, eviction), and each next tok
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -73,12 +73,21 @@ def stepwise_logits(
 
 @torch.no_grad()
 def teacher_forced_nll(
-    model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, attention_mask: torch.Tensor | None = None
+    model: PreTrainedModel,
+    cache,
+    ids: torch.Tensor,
+    prefix: int,
+    attention_mask: torch.Tensor | None = None,
+    on_step: Callable[[], None] = lambda: None,
 ) -> torch.Tensor:
-    """Through the runtime: prefill ids[:, :prefix], then one true token per step. (B, T - prefix)."""
+    """Through the runtime: prefill ids[:, :prefix], then one true token per step (``on_step`` after
+    each). (B, T - prefix)."""
     mask = None if attention_mask is None else attention_mask[:, :-1]
-    logits = torch.stack(list(stepwise_logits(model, cache, ids[:, :-1], prefix, mask)), dim=1)
-    return _nll(logits, ids[:, prefix:])
+    logits = []
+    for step_logits in stepwise_logits(model, cache, ids[:, :-1], prefix, mask):
+        logits.append(step_logits)
+        on_step()
+    return _nll(torch.stack(logits, dim=1), ids[:, prefix:])
 
 
 def continuation_logprobs(
@@ -114,5 +123,3 @@ def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, 
         position = position + 1
         tokens.append(step(tokens[-1], position).argmax(-1, keepdim=True))
     return torch.cat(tokens, dim=1)
-
-

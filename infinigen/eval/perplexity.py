@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -10,18 +11,24 @@ from transformers import PreTrainedModel
 from infinigen.artifacts import Artifact
 from infinigen.eval.decoding import teacher_forced_nll
 from infinigen.eval.recall import RecallProbe
-from infinigen.runtime import RuntimeConfig, cache_for
+from infinigen.runtime import cache_for
+from infinigen.runtime.config import config_from
 
 
-def pool_settings(model: PreTrainedModel, tokens: int, batch: int, block_tokens: int = 16) -> dict:
-    """``cpu_pool_gb`` (and a block size that divides it) for a pool of ``tokens`` tokens per sequence."""
+def pool_settings(model: PreTrainedModel, settings: dict, tokens: int, batch: int, block_tokens: int = 16) -> dict:
+    """``cpu_pool_gb`` (and a block size that divides it) for a pool of ``tokens`` tokens per sequence
+    and offloaded layer under ``settings``: rows sized as the policy stores them (compressed ones
+    are smaller), over the layers it offloads."""
     from infinigen.architectures import model_spec
+    from infinigen.runtime.policies import POLICIES
 
-    spec = model_spec(model.config)
+    spec, config = model_spec(model.config), config_from(settings)
+    policy = POLICIES[config.policy]
+    stored = spec.head_dim if policy.codec is None else policy.codec.stored_dim(spec.head_dim, model.dtype)
+    offloaded = spec.n_layers - min(config.dense_layers, spec.n_layers) if policy.offloads else 0
     tokens -= tokens % block_tokens
-    offloaded = spec.n_layers - RuntimeConfig.dense_layers  # offloaded layers under the default placement
-    row = 2 * spec.head_dim * model.dtype.itemsize
-    return {"cpu_pool_gb": tokens * offloaded * batch * spec.n_kv_heads * row / 2**30, "block_tokens": block_tokens}
+    nbytes = tokens * offloaded * batch * spec.n_kv_heads * 2 * stored * model.dtype.itemsize
+    return {"cpu_pool_gb": (nbytes + 0.5) / 1e9, "block_tokens": block_tokens}  # + half a byte: no rounding down
 
 
 def perplexity(
@@ -34,23 +41,24 @@ def perplexity(
     block: int = 256,
     pool_fraction: float | None = None,
     recall: bool = False,
+    on_step: Callable[[], None] = lambda: None,
     **settings,
 ) -> dict:
     """Perplexity of the decoded part of every window, per policy settings (``RuntimeConfig`` fields).
 
     ``pool_fraction`` limits the CPU pool to that share of a window's tokens (the paper's 80% pool),
     so the decode evicts by ``settings["eviction"]``. ``recall`` adds the selection recall against
-    the exact top-k, per offloaded layer and on average.
+    the exact top-k, per offloaded layer and on average. ``on_step`` hears each decode step.
     """
     nll, fractions, bytes_fractions, evicted = [], [], [], 0
     probe = RecallProbe() if recall else None
     for start in range(0, ids.shape[0], batch):
         chunk = ids[start : start + batch].to(model.device)
         if pool_fraction is not None:
-            settings |= pool_settings(model, int(pool_fraction * ids.shape[1]), chunk.shape[0])
+            settings |= pool_settings(model, settings, int(pool_fraction * ids.shape[1]), chunk.shape[0])
         cache = cache_for(model, artifact, **settings)
         cache.decode_probe = probe
-        nll.append(teacher_forced_nll(model, cache, chunk, prefix).cpu())
+        nll.append(teacher_forced_nll(model, cache, chunk, prefix, on_step=on_step).cpu())
         summary = cache.summary()
         fractions.append(summary["fraction_fetched"])
         bytes_fractions.append(summary["fraction_bytes"])

@@ -311,7 +311,7 @@ def compare(rows: list[dict], reference: int = 0, labels: list[str] | None = Non
     hits = ["".join(row["tasks"][name]["hits"] for name in names) for row in rows]
     base = hits[reference]
     changed = [changed_answers(h, base) for h in hits]
-    label = labels or [f"{row['policy']}@{row['budget']:g}" for row in rows]
+    label = labels or [row_label(row) for row in rows]
     others = [i for i in range(len(rows)) if i != reference]
     return {
         "reference": label[reference],
@@ -337,3 +337,47 @@ def compare(rows: list[dict], reference: int = 0, labels: list[str] | None = Non
             for j in others[n + 1 :]
         ],
     }
+
+
+def row_label(row: dict) -> str:
+    """'policy@budget' ('dense' where a row has no budget)."""
+    return row["policy"] if row.get("budget") is None else f"{row['policy']}@{row['budget']:g}"
+
+
+def paired_with_first(rows: list[dict]) -> list[dict]:
+    """``rows`` (``eval tasks`` results), each after the first with its paired differences against it."""
+    reference, paired = rows[0], []
+    for row in rows[1:]:
+        against = {"reference": {key: reference.get(key) for key in ("policy", "budget")}}
+        paired.append(row | {"paired": against | paired_against(row["tasks"], reference["tasks"])})
+    return rows[:1] + paired
+
+
+def read_reports(paths: list[Path]) -> tuple[list[dict], list[str]]:
+    """The rows of saved ``eval tasks --json`` reports and a label each ('policy@budget', and the
+    report's name where several reports hold the same one)."""
+    rows, sources = [], []
+    for path in paths:
+        try:
+            rows += json.loads(Path(path).read_text())["results"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InfinigenError(f"cannot read the eval tasks report {path}: {exc}") from exc
+        sources += [Path(path).stem] * (len(rows) - len(sources))
+    if len(rows) < 2 or not all(_has_hits(row) for row in rows):
+        raise InfinigenError("compare needs two or more rows of `eval tasks --json` reports with per-example hits")
+    plain = [row_label(row) for row in rows]
+    labels = [
+        f"{label} ({source})" if plain.count(label) > 1 else label for label, source in zip(plain, sources, strict=True)
+    ]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise InfinigenError(f"one report holds {', '.join(repeated)} more than once")
+    return rows, labels
+
+
+def _has_hits(row: object) -> bool:
+    """Whether ``row`` is an `eval tasks` result row with per-example hits for every task."""
+    if not isinstance(row, dict) or "policy" not in row or not isinstance(row.get("budget"), int | float | None):
+        return False
+    tasks = row.get("tasks")
+    return isinstance(tasks, dict) and bool(tasks) and all(isinstance(t, dict) and "hits" in t for t in tasks.values())

@@ -127,3 +127,18 @@ def _versions() -> dict[str, str]:
     import transformers
 
     return {"infinigen": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def check_options(ratio: float, tokens: int, calibration: list[Path] | None, skew: str, channel_rule: str) -> None:
+    """Refuse bad preparation options before the model loads (a large checkpoint takes minutes)."""
+    n_channels_for(ratio, 1)
+    if tokens < 16:
+        raise InfinigenError(f"--tokens must be at least 16, got {tokens}")
+    if skew not in SKEWS or channel_rule not in CHANNEL_RULES:
+        raise InfinigenError(
+            f"--skew takes {', '.join(SKEWS)} and --channels {', '.join(CHANNEL_RULES)}, "
+            f"got {skew!r} and {channel_rule!r}"
+        )
+    for path in calibration or []:
+        if not Path(path).is_file():
+            raise InfinigenError(f"cannot read calibration file {path}: no such file")

@@ -17,7 +17,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.config import RuntimeConfig, config_from
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -66,14 +66,14 @@ def cache_for(
 ) -> InfinigenCache:
     """A fresh cache for one ``model.generate`` call. ``settings`` are ``RuntimeConfig`` fields
     (policy, budget, alpha, min_tokens, dense_layers, cpu_pool_gb, eviction, block_tokens,
-    reuse_rows, ...)."""
+    reuse_rows, ...); None stands for a field's default."""
     from infinigen.artifacts import open_artifact
     from infinigen.runtime.cache import InfinigenCache
 
     if isinstance(artifact, (str, Path)):
         artifact = open_artifact(artifact, model)
     artifact = artifact or getattr(model, "infinigen_artifact", None)
-    return InfinigenCache(model, RuntimeConfig(**settings), artifact)
+    return InfinigenCache(model, config_from(settings), artifact)
 
 
 __all__ = ["POLICIES", "InfinigenCache", "RuntimeConfig", "StepGraph", "cache_argument", "cache_for", "decode", "load"]

@@ -7,6 +7,7 @@ module needs neither torch nor transformers.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
@@ -21,10 +22,10 @@ DEFAULT_ALPHA = {"opt": 4.0}  # the paper's settings: 4 for OPT, 5 for Llama-2 (
 ROPE_ALPHA = 5.0
 
 
-def option(default: Any, help: str, *, applies_to: str | None = None, cli: bool = True) -> Any:
-    """A config field with its command-line help. ``applies_to``: the ``Policy`` flag (``speculates``,
-    ``budgeted``, ``offloads``, ``lookahead``) of the policies it changes; a sweep varies it only for
-    them. ``cli``: False for fields the command line leaves at their default."""
+def option(default: Any, help: str, *, applies_to: tuple[str, ...] = (), cli: bool = True) -> Any:
+    """A config field with its command-line help. ``applies_to``: the ``Policy`` flags (``speculates``,
+    ``budgeted``, ``offloads``, ``lookahead``) of the policies it changes, all of them set; a sweep
+    varies it only for them. ``cli``: False for fields the command line leaves at their default."""
     return field(default=default, metadata={"help": help, "applies_to": applies_to, "cli": cli})
 
 
@@ -36,21 +37,23 @@ class RuntimeConfig:
         "dense (KV stays on the GPU), h2o, quest, oracle (exact top-k), int4 / int2 (quantized rows).",
     )
     budget: float = option(
-        0.2, "Most of the cached tokens fetched per step and layer, as a fraction.", applies_to="budgeted"
+        0.2, "Most of the cached tokens fetched per step and layer, as a fraction.", applies_to=("budgeted",)
     )
     alpha: float | None = option(
         None,
         "Speculation threshold: tokens within alpha logits of each head's best (default: the paper's, "
         "4 for OPT, 5 for the Llama family; inf: the budget alone).",
-        applies_to="speculates",
+        applies_to=("speculates",),
     )
     min_tokens: int = option(8, "Fewest tokens fetched per step and layer (when that many are cached).", cli=False)
     dense_layers: int = option(2, "The first layers keep their whole KV on the GPU (as the paper).", cli=False)
     cpu_pool_gb: float | None = option(
-        None, "Limit of the CPU KV pool in GiB (2^30 bytes); a full pool evicts. Default: no limit.", applies_to="offloads"
+        None,
+        "Limit of the CPU KV pool in GB (10^9 bytes); a full pool evicts. Default: no limit.",
+        applies_to=("offloads",),
     )
     eviction: Eviction = option(
-        "counter", "What a full CPU pool overwrites: counter (the paper) | fifo | lru.", applies_to="offloads"
+        "counter", "What a full CPU pool overwrites: counter (the paper) | fifo | lru.", applies_to=("offloads",)
     )
     block_tokens: int = option(1024, "The CPU pool grows by blocks of this many tokens.", cli=False)
     cuda_graphs: bool = option(
@@ -63,7 +66,7 @@ class RuntimeConfig:
         "input",
         "What one-layer-ahead selection reads: input (the residual entering the previous layer, as the "
         "paper) | attention (the residual after the previous layer's attention).",
-        applies_to="lookahead",
+        applies_to=("offloads", "lookahead"),
     )
     # The residual stream changes fastest in the first layers: on SmolLM2 the first offloaded layer
     # alone decides the 8K needle (ACCURACY.md, "Settings chosen by measurement"), and one layer's
@@ -72,18 +75,18 @@ class RuntimeConfig:
         1,
         "The first this many offloaded layers select from the residual after the previous layer's "
         "attention, whatever --lookahead-from says.",
-        applies_to="lookahead",
+        applies_to=("offloads", "lookahead"),
     )
     partial_key_bits: PartialKeyBits = option(
         4,
         "infinigen's partial key cache on the GPU: 4 (two codes a byte + a scale per token) | 8 | 16.",
-        applies_to="speculates",
+        applies_to=("speculates",),
     )
     reuse_rows: bool = option(
         False,
         "Keep each layer's fetched rows on the GPU between steps and move only new ones: fewer bytes, for "
         "the budget's share of the KV in GPU memory (budgeted policies, unlimited pool).",
-        applies_to="budgeted",
+        applies_to=("budgeted",),
     )
 
     def __post_init__(self) -> None:
@@ -116,3 +119,31 @@ class RuntimeConfig:
 
 _FIELD_TYPES = {"eviction": Eviction, "lookahead_from": LookaheadFrom, "partial_key_bits": PartialKeyBits}
 RUNTIME_FIELDS = tuple(fields(RuntimeConfig))
+
+
+def settings_grid(values: dict[str, list]) -> list[dict]:
+    """Rows of settings, one per combination of ``values`` (field -> values; ``policy`` first): a
+    field varies only for the policies it applies to (its ``applies_to`` flags) and is None for the
+    others, which then run with its default. Names that are no policy (transformers' own caches,
+    in a benchmark) get no runtime settings at all."""
+    from infinigen.runtime.policies import POLICIES  # the registry needs torch; the config does not
+
+    rows = []
+    for name in values["policy"]:
+        policy = POLICIES.get(name)
+        axes = {}
+        for f in RUNTIME_FIELDS:
+            if f.name == "policy" or f.name not in values:
+                continue
+            applies = policy is not None and all(getattr(policy, flag) for flag in f.metadata["applies_to"])
+            axes[f.name] = values[f.name] if applies else [None]
+        for combination in itertools.product(*axes.values()):
+            row = {"policy": name, **dict(zip(axes, combination, strict=True))}
+            if row not in rows:
+                rows.append(row)
+    return rows
+
+
+def config_from(row: dict) -> RuntimeConfig:
+    """The ``RuntimeConfig`` of a ``settings_grid`` row (None: the field's default)."""
+    return RuntimeConfig(**{key: value for key, value in row.items() if value is not None})

@@ -365,4 +365,4 @@ def pool_tokens(cpu_pool_gb: float | None, n_offloaded: int, batch: int, kv_head
     """Tokens per (batch row, KV head, layer) that a CPU pool of ``cpu_pool_gb`` holds."""
     if cpu_pool_gb is None or n_offloaded == 0:
         return None
-    return int(cpu_pool_gb * 2**30 // (n_offloaded * batch * kv_heads * row_bytes))
+    return int(cpu_pool_gb * 1e9 // (n_offloaded * batch * kv_heads * row_bytes))  # GB: 10^9 bytes, as every *_gb

@@ -1,0 +1,198 @@
+"""``infinigen bench``: decode speed of every policy in one process, and micro-benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from infinigen.bench import HF_BASELINES
+from infinigen.cli.app import command
+from infinigen.cli.options import DeviceOpt, JsonOpt, parse_list, runtime_options
+from infinigen.cli.render import print_rows, printed_json, progress, stream_row
+from infinigen.errors import InfinigenError
+
+SHAPES_HELP = "Random-weight model shape: opt-6.7b, opt-13b, opt-30b, llama-2-7b, llama-3-8b, tiny-llama."
+
+
+@command
+@runtime_options(sweep=True, defaults={"policy": "dense,full,infinigen"}, more_policies=HF_BASELINES)
+def bench(
+    runtime: dict,
+    shape: Annotated[str, typer.Option(help=SHAPES_HELP)] = "llama-3-8b",
+    model: Annotated[
+        str | None,
+        typer.Option(help="Real weights instead of --shape: alias, Hub id, checkpoint folder or GGUF file."),
+    ] = None,
+    artifact: Annotated[str | None, typer.Option(help="With --model: its artifact folder or Hub id.")] = None,
+    text: Annotated[
+        Path | None, typer.Option(help="With --model: prompts cut from this text, row after row. Default: random.")
+    ] = None,
+    repeat: Annotated[int, typer.Option(help="Runs of each case (own cache and prefill); the median is reported.")] = 1,
+    batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated (a sweep).")] = "8",
+    prompt_len: Annotated[str, typer.Option(help="Context lengths before decoding, comma-separated.")] = "16384",
+    gen_len: Annotated[int, typer.Option(help="Timed decode steps (after 3 warm-up steps).")] = 16,
+    ratio: Annotated[
+        str, typer.Option(help="--shape: partial channels as a share of head_dim, comma-separated (an artifact each).")
+    ] = "0.5",
+    graphs: Annotated[
+        str,
+        typer.Option(
+            help="CUDA graphs: step (whole decode steps), selection (transformers' loop, selections only), off; "
+            "or a comma-separated sweep."
+        ),
+    ] = "step",
+    breakdown: Annotated[
+        bool, typer.Option(help="Also time each offloaded step compute-only, transfer-only, without selecting.")
+    ] = False,
+    micro: Annotated[
+        bool, typer.Option(help="Micro-benchmarks instead: the gather vs the bulk copy, speculation vs a layer.")
+    ] = False,
+    micro_contexts: Annotated[str, typer.Option(help="Context lengths of --micro.")] = "4096,16384,32768,131072",
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch.")] = None,
+    dtype: Annotated[str, typer.Option(help="Model dtype.")] = "bfloat16",
+    device: DeviceOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Decode throughput of each policy on one model, in one process, with the pinned host->device
+    bandwidth measured in the same process. Random weights make attention near uniform, so
+    budgeted policies then fetch a fixed budget (infinigen: alpha = inf unless given).
+
+    Examples:\n
+      infinigen bench --shape llama-3-8b --batch 8 --prompt-len 16384 --policy dense,full,infinigen\n
+      infinigen bench --prompt-len 4096,16384,32768 --batch 1,8 --budget 0.1,0.2 --plot bench.png\n
+      infinigen bench --micro
+    """
+    import torch
+
+    from infinigen.bench.micro import micro_report
+    from infinigen.bench.plots import plot_bench, plot_micro
+    from infinigen.bench.runs import bench_cases, load_subject, pinned_bandwidth, run_sweep, subject_artifacts
+    from infinigen.models import resolve_device
+    from infinigen.prepare import DEFAULT_RATIO
+    from infinigen.runtime.config import settings_grid
+
+    if repeat < 1 or gen_len < 1:
+        raise InfinigenError(f"--repeat and --gen-len must be at least 1, got {repeat} and {gen_len}")
+    if model is not None and ratio != str(DEFAULT_RATIO):
+        raise InfinigenError("--ratio sweeps random artifacts (--shape); with --model the artifact sets it")
+    device = resolve_device(device)
+    subject = load_subject(shape, model, artifact, None if text is None else str(text), device, dtype)
+    card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    weights_gb = sum(p.numel() * p.element_size() for p in subject.model.parameters()) / 1e9
+    report = {
+        "shape": subject.shape,
+        "model": model,
+        "dtype": dtype,
+        "device": card,
+        "weights_gb": round(weights_gb, 2),
+    }
+    if micro:
+        report |= micro_report(subject.model, parse_list(micro_contexts, "--micro-contexts", int), runtime["budget"][0])
+        if plot is not None:
+            report["plot"] = str(plot_micro(report, plot))
+        if not printed_json(report, as_json):
+            _print_micro(report)
+        return
+    runtime["alpha"] = [subject.alpha if alpha is None else alpha for alpha in runtime["alpha"]]
+    cases = bench_cases(
+        settings_grid(runtime),
+        parse_list(batch, "--batch", int),
+        parse_list(prompt_len, "--prompt-len", int),
+        gen_len,
+        graphs=parse_list(graphs, "--graphs", str),
+        ratios=parse_list(ratio, "--ratio") if model is None else [DEFAULT_RATIO],
+    )
+    artifacts = subject_artifacts(subject, cases)
+    bandwidth = pinned_bandwidth(device)
+    report["pinned_h2d_gb_s"] = round(bandwidth, 1) if bandwidth is not None else None
+    splits = sum(breakdown and case.policy in ("full", "infinigen") for case in cases)
+    with progress(disable=as_json) as bar:
+        running = bar.add_task("cases", total=len(cases) + splits)
+
+        done = iter(range(len(cases) + splits))
+
+        def on_case(label: str) -> None:
+            bar.update(running, description=label, completed=next(done))
+
+        results, split_rows = run_sweep(
+            subject.model,
+            artifacts,
+            cases,
+            repeat=repeat,
+            text_ids=subject.text_ids,
+            split=breakdown,
+            on_case=on_case,
+            on_row=stream_row if as_json else lambda row: None,
+        )
+        bar.update(running, completed=len(cases) + splits)
+    report |= {"results": results, "breakdown": split_rows}
+    if plot is not None:
+        report["plot"] = str(plot_bench(report, plot))
+    if not printed_json(report, as_json):
+        _print_bench(report)
+
+
+def _percent(share: float | None) -> str:
+    return "" if share is None else f"{share:.0%}"
+
+
+def _print_micro(report: dict) -> None:
+    gather = [
+        row | {"mb": f"{row['bytes'] / 1e6:.2f}", "share": _percent(row["share_of_bulk"])} for row in report["gather"]
+    ]
+    columns = {"context": "context", "fraction": "fraction", "MB": "mb", "ms": "ms", "GB/s": "gb_s"}
+    print_rows("selective gather, one layer", columns | {"of bulk copy": "share"}, gather)
+    speculation = [row | {"share": f"{row['speculation_share']:.0%}"} for row in report["speculation"]]
+    columns = {"context": "context", "speculation ms": "speculation_ms", "dense layer ms": "dense_layer_ms"}
+    print_rows("speculation vs a layer's compute", columns | {"share": "share"}, speculation)
+
+
+BENCH_COLUMNS = {
+    "policy": "policy",
+    "budget": "budget",
+    "graphs": "graphs",
+    "batch": "batch",
+    "context": "prompt_len",
+    "ms/step": "ms_per_step",
+    "tok/s": "decode_tok_s",
+    "fetched": "fraction_fetched",
+    "H2D MB/step": "h2d_mb_per_step",
+    "H2D GB/s": "h2d_gb_s",
+    "% of pinned BW": "share_of_pinned",
+    "wait ms/step": "wait_ms_per_step",
+    "prefill s": "prefill_s",
+    "peak GPU GB": "decode_peak_gpu_gb",
+    "error": "error",  # a case that did not fit
+}
+NOT_SETTINGS = {"policy", "budget", "graphs", "batch", "prompt_len"}  # fixed columns, not sweep columns
+
+
+def _swept(rows: list[dict]) -> dict[str, str]:
+    """A column for each setting the rows differ in (beyond the fixed ones), and alpha where given."""
+    from infinigen.cli.options import cli_fields
+
+    names = ["ratio", *(f.name for f in cli_fields())]
+    swept = {n: n for n in names if n not in NOT_SETTINGS and len({row.get(n) for row in rows} - {None}) > 1}
+    return swept | {"alpha": "alpha"}  # real weights only (None with random ones: the column is left out)
+
+
+def _print_bench(report: dict) -> None:
+    bandwidth = report["pinned_h2d_gb_s"]
+    measured = bandwidth is not None  # None on CPU
+    rows = [
+        row | ({"share_of_pinned": f"{row['h2d_gb_s'] / bandwidth:.0%}"} if measured and "h2d_gb_s" in row else {})
+        for row in report["results"]
+    ]
+    title = f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}"
+    swept = _swept(rows)
+    columns = dict(list(BENCH_COLUMNS.items())[:2]) | swept | BENCH_COLUMNS  # what the sweeps vary, after the budget
+    print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), columns, rows)
+    if report["breakdown"]:
+        columns = {"policy": "policy", "budget": "budget"} | swept | {"batch": "batch", "context": "prompt_len"}
+        columns |= {"step ms": "step_ms", "compute-only ms": "compute_only_ms"}
+        columns |= {"transfer-only ms": "transfer_only_ms", "step / max": "step_over_max"}
+        columns |= {"no-selection ms": "without_selection_ms", "selection share": "selection_share"}
+        columns |= {"selection ms/layer": "selection_ms_per_layer", "error": "error"}
+        print_rows("where the step goes", columns, report["breakdown"])

@@ -1,0 +1,102 @@
+"""``infinigen generate``: text from prompts, with the KV cache in CPU memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from infinigen.cli.app import command
+from infinigen.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, runtime_options
+from infinigen.cli.render import console, err_console, human_bytes, print_pairs, printed_json
+from infinigen.errors import InfinigenError
+
+
+@command
+@runtime_options(sweep=False)
+def generate(
+    runtime: dict,
+    model: ModelArg = None,
+    artifact: Annotated[str | None, typer.Option(help="Artifact folder or Hub id (speculating policies).")] = None,
+    prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file.")] = None,
+    batch_file: Annotated[Path | None, typer.Option(help="One prompt per line, decoded as one batch.")] = None,
+    chat: Annotated[bool, typer.Option(help="Wrap prompts in the tokenizer's chat template.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sample at this temperature.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Sampling: the smallest set of tokens with this probability.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sampling: the k most likely tokens only (0: no cut).")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Sampling: the random seed (repeatable outputs).")] = None,
+    prefill_chunk: Annotated[
+        int, typer.Option(help="Prefill long prompts in chunks of this many tokens (bounds GPU memory); 0: one pass.")
+    ] = 4096,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate text with the KV cache in CPU memory, streaming tokens, then print the run's stats.
+
+    Examples:\n
+      infinigen generate --artifact skewed/ --prompt "The old house on the corner"\n
+      infinigen generate opt-6.7b --artifact me/opt67-infinigen --prompt-file long.txt --budget 0.1\n
+      infinigen generate --artifact skewed/ --batch-file prompts.txt --policy full --json
+    """
+    import torch
+
+    from infinigen.artifacts import open_artifact
+    from infinigen.models import load_model
+    from infinigen.runtime import RuntimeConfig, cache_for
+    from infinigen.runtime.generation import Sampling, generate_text
+
+    prompts = _prompts(prompt, prompt_file, batch_file)
+    config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
+    sampling = Sampling(temperature, top_p, top_k, seed)
+    if max_new_tokens < 1:
+        raise InfinigenError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if device is None and not torch.cuda.is_available():
+        err_console.print("no CUDA device: running on the CPU (slowly)")
+    loaded = load_model(model, device=device, dtype=dtype)
+    checked = open_artifact(artifact, loaded.model) if artifact is not None else None
+    tokenizer = loaded.tokenizer
+    if chat:
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+    cache = cache_for(loaded.model, checked, **vars(config))
+    texts, stats = generate_text(
+        loaded.model,
+        tokenizer,
+        prompts,
+        cache,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        prefill_chunk=prefill_chunk,
+        stream=not as_json,
+    )
+    if printed_json({"outputs": texts, "stats": stats}, as_json):
+        return
+    if len(prompts) > 1:
+        for i, text in enumerate(texts):
+            console.print(f"[bold]\\[{i}][/] {text}", highlight=False)
+    console.print()
+    shown = {key: human_bytes(value) if "bytes" in key else value for key, value in stats.items() if key != "per_layer"}
+    print_pairs(f"{config.policy} on {loaded.model.device}", shown)
+
+
+def _prompts(prompt: str | None, prompt_file: Path | None, batch_file: Path | None) -> list[str]:
+    given = [x for x in (prompt, prompt_file, batch_file) if x is not None]
+    if len(given) != 1:
+        raise InfinigenError("give exactly one of --prompt, --prompt-file, --batch-file")
+    if prompt is not None:
+        prompts = [prompt]
+    else:
+        try:
+            text = (prompt_file or batch_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InfinigenError(f"cannot read {prompt_file or batch_file}: {exc}") from exc
+        prompts = [text] if prompt_file else [line for line in text.splitlines() if line.strip()]
+    if not prompts or not all(p.strip() for p in prompts):
+        raise InfinigenError("the prompt is empty")
+    return prompts

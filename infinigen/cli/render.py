@@ -1,0 +1,66 @@
+"""What every command prints: tables for people, ``--json`` for machines, progress on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def printed_json(report, as_json: bool) -> bool:
+    """With --json, print ``report`` for machines (and the caller stops); else do nothing."""
+    if as_json:
+        print(json.dumps(report, indent=2))
+    return as_json
+
+
+def stream_row(row: dict) -> None:
+    """A finished row on stderr, as JSON: a run cut off by a time limit keeps the rows it finished."""
+    print(json.dumps(row), file=sys.stderr, flush=True)
+
+
+def print_rows(title: str, columns: dict[str, str], rows: list[dict]) -> None:
+    """A table of ``rows``: one column per header, showing that row key (blank where missing); a
+    column no row has a value for is left out (on the CPU, the GPU's columns)."""
+    if rows:
+        columns = {header: key for header, key in columns.items() if any(row.get(key) is not None for row in rows)}
+    table = Table(title=title)
+    for header in columns:
+        table.add_column(header, overflow="fold")  # narrow terminals wrap values, never cut them
+    for row in rows:
+        table.add_row(*("" if row.get(key) is None else str(row[key]) for key in columns.values()))
+    console.print(table)
+
+
+def print_pairs(title: str, pairs: dict) -> None:
+    """A two-column table of ``key: value`` pairs (keys with underscores shown as words)."""
+    table = Table(show_header=False, title=title)
+    for key, value in pairs.items():
+        table.add_row(key.replace("_", " "), str(value))
+    console.print(table)
+
+
+def progress(disable: bool) -> Progress:
+    """A progress bar on stderr (off with --json, whose callers stream rows instead)."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        disable=disable,
+        transient=False,
+    )
+
+
+def human_bytes(value: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} B"
