@@ -539,3 +539,100 @@ def test_eval_compare(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps({"shape": "x", "results": [{"policy": "full"}]}))
     other = invoke("eval", "compare", first, str(tmp_path / "bench.json"))
     assert other.exit_code == 2 and "per-example hits" in other.output and "Traceback" not in other.output
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--bogus"], "No such option: --bogus"),
+        (["generate", "--budget", "abc"], "Invalid value for '--budget'"),
+        (["eval", "ppl", "--text", "x.txt", "--window", "many"], "Invalid value for '--window'"),
+        (["evaluate"], "No such command 'evaluate'"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be at least 1"),
+        (["generate", "--prompt", ""], "the prompt is empty"),
+        (["generate", "--prompt", "x", "--alpha", "nan"], "alpha must be non-negative"),
+        (["generate", "--prompt", "x", "--budget", "nan"], "budget must be in (0, 1]"),
+        (["generate", "--prompt", "x", "--policy", "best"], "unknown policy 'best'"),
+        (["generate", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+        (["generate", "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["bench", "--policy", "dense,best"], "--policies takes dense, full"),
+        (["bench", "--budget", "0.1,x"], "--budgets takes float values"),
+        (["bench", "--reuse-rows", "maybe"], "--reuse-rows takes off or on"),
+        (["eval", "ppl", "--text", "x.txt", "--alpha", "nan"], "--alpha takes a number"),
+        (["eval", "ppl", "--text", "x.txt", "--cpu-pool-fraction", "2"], "--cpu-pool-fraction must be in (0, 1]"),
+    ],
+)
+def test_bad_command_lines_are_one_line_before_any_model_loads(argv, message, monkeypatch):
+    """Flags a user can fix: one line, exit code 2, and no model loaded to find out."""
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the command line was checked")
+
+    monkeypatch.setattr("infinigen.models.load_model", no_loading)
+    result = invoke(*argv)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--ratio", "1.5"], "--ratio must be in (0, 1]"),
+        (["--ratio", "nan"], "--ratio must be in (0, 1]"),
+        (["--tokens", "4"], "--tokens must be at least 16"),
+        (["--calibration", "missing.txt"], "cannot read calibration file missing.txt"),
+        (["--skew", "qr"], "--skew takes svd, identity"),
+    ],
+)
+def test_prepare_checks_its_options_before_loading_the_model(extra, message, monkeypatch, tmp_path):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("infinigen.models.load_model", no_loading)
+    result = invoke("prepare", "--out", str(tmp_path / "out"), *extra)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_generate_samples_with_a_seed(prepared):
+    """--temperature samples; the same --seed gives the same text, and greedy (the default) is repeatable."""
+    folder, out = prepared("llama")
+    args = ["generate", str(folder), "--artifact", str(out), "--prompt", "the house", "--device", "cpu", "--json"]
+    args += ["--max-new-tokens", "8"]
+
+    def text(*extra: str) -> str:
+        result = invoke(*args, *extra)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["outputs"][0]
+
+    sampled = [text("--temperature", "1.5", "--top-k", "50", "--seed", str(seed)) for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+    assert text() == text()
+
+
+def test_unsupported_architecture_refused_from_its_config(tmp_path, monkeypatch):
+    """The architecture is checked from config.json: the weights are never read."""
+    from transformers import GPT2Config
+
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(folder)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the architecture was checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    result = invoke("generate", str(folder), "--prompt", "x", "--policy", "dense", "--device", "cpu")
+    assert result.exit_code == 2 and "unsupported architecture 'gpt2'" in result.output, result.output
+
+
+def test_eval_ppl_prefix_defaults_to_half_the_window(prepared, tmp_path):
+    folder, out = prepared("llama")
+    text = tmp_path / "text.txt"
+    text.write_text("the house was old and the street was narrow and the walls were thin " * 30)
+    args = f"eval ppl {folder} --text {text} --window 48 --windows 1 --batch 1 --policy dense --device cpu --json"
+    result = invoke(*args.split())
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["prefix"] == 24 and report["results"][0]["tokens_scored"] == 24

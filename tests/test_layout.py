@@ -1,0 +1,49 @@
+"""The architecture as the folders show it: prepare -> artifact -> runtime, with eval, bench and the
+CLI as clients. Data flows one way: the runtime imports none of its clients, nor prepare."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "infinigen"
+CLIENTS = ("infinigen.eval", "infinigen.bench", "infinigen.cli", "infinigen.prepare")
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "runtime").rglob("*.py")), ids=lambda p: p.name)
+def test_runtime_imports_none_of_its_clients(path):
+    leaks = {name for name in imported_modules(path) if name.startswith(CLIENTS)}
+    assert not leaks, f"{path.relative_to(PACKAGE)} imports {sorted(leaks)}"
+
+
+def test_the_checker_sees_imports_inside_functions():
+    assert "infinigen.eval.decoding" in imported_modules(PACKAGE / "cli" / "evaluate.py")
+
+
+def test_modules_stay_short():
+    long = {
+        str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, f"modules over 500 lines: {long}"
+
+
+def test_config_and_command_line_start_without_torch():
+    """``infinigen --version`` and the config need neither torch nor transformers."""
+    code = "import sys, infinigen.cli, infinigen.runtime.config; "
+    code += "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
