@@ -61,3 +61,15 @@ def test_selection_recall_is_one_for_the_oracle_and_below_for_speculation(tokeni
     assert 0 < speculated["recall"] < 1
     exact = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="infinigen", **EXACT)
     assert exact["recall"] == 1.0
+
+
+def test_pool_fraction_holds_the_asked_tokens_for_every_row_size(tokenizer):
+    """--cpu-pool-fraction sizes the pool by the rows a policy stores: compressed int4 rows hold as
+    many tokens as 16-bit ones are asked to, not several times more."""
+    from infinigen.eval.perplexity import pool_settings
+
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    for policy in ("full", "int4", "infinigen"):
+        settings = {"policy": policy, "budget": 0.5} | pool_settings(model, {"policy": policy}, tokens=64, batch=2)
+        cache = cache_for(model, artifact, **settings)
+        assert cache.pool_limit(2, model.dtype) == 64, policy
