@@ -2,8 +2,7 @@
 head_dim 128, Llama-3-8B's 32 query / 8 KV heads), replayed from a CUDA graph as the runtime does:
 the radix ``top_slots`` (count rule inside its passes) against PyTorch (the count's reductions,
 top-k + sort), in one process, then a kernel profile of the radix path at 1 x 32K. Needs CUDA.
-(BENCHMARKS.md session 5's table came from this measurement with five warm-up replays instead of
-one, and the count computed by PyTorch on both sides.)
+(BENCHMARKS.md, "Micro-benchmarks": the sort-free selection.)
 
     python benchmarks/selection_profile.py
 """

@@ -24,7 +24,8 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 # Share of head_dim kept as partial channels: 0.5 with the runtime's 4-bit partial keys meets the
-# perplexity targets in less GPU memory than the paper's 0.3 at 16 bits (ACCURACY.md, BENCHMARKS.md).
+# perplexity targets in less GPU memory than the paper's 0.3 at 16 bits (ACCURACY.md, "Settings chosen
+# by measurement"; BENCHMARKS.md, "GPU memory").
 DEFAULT_RATIO = 0.5
 
 
