@@ -47,7 +47,7 @@ def generate(
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
     from infinigen.runtime import RuntimeConfig, cache_for
-    from infinigen.runtime.generation import Sampling, generate_text
+    from infinigen.runtime.text_generation import Sampling, generate_text
 
     prompts = _prompts(prompt, prompt_file, batch_file)
     config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
