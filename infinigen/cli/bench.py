@@ -13,44 +13,58 @@ from infinigen.cli.options import DeviceOpt, JsonOpt, parse_list, runtime_option
 from infinigen.cli.render import print_rows, printed_json, progress, stream_row
 from infinigen.errors import InfinigenError
 
-SHAPES_HELP = "Random-weight model shape: opt-6.7b, opt-13b, opt-30b, llama-2-7b, llama-3-8b, tiny-llama."
+ShapeOpt = Annotated[
+    str, typer.Option(help="Random-weight model shape: opt-6.7b, opt-13b, opt-30b, llama-2-7b, llama-3-8b, tiny-llama.")
+]
+RealModelOpt = Annotated[
+    str | None, typer.Option(help="Real weights instead of --shape: alias, Hub id, checkpoint folder or GGUF file.")
+]
+RealArtifactOpt = Annotated[str | None, typer.Option(help="With --model: its artifact folder or Hub id.")]
+PromptTextOpt = Annotated[
+    Path | None, typer.Option(help="With --model: prompts cut from this text, row after row. Default: random.")
+]
+RepeatOpt = Annotated[int, typer.Option(help="Runs of each case (own cache and prefill); the median is reported.")]
+BatchOpt = Annotated[str, typer.Option(help="Batch sizes, comma-separated (a sweep).")]
+PromptLenOpt = Annotated[str, typer.Option(help="Context lengths before decoding, comma-separated.")]
+GenLenOpt = Annotated[int, typer.Option(help="Timed decode steps (after 3 warm-up steps).")]
+RatioOpt = Annotated[
+    str, typer.Option(help="--shape: partial channels as a share of head_dim, comma-separated (an artifact each).")
+]
+GraphsOpt = Annotated[
+    str,
+    typer.Option(
+        help="CUDA graphs: step (whole decode steps), selection (transformers' loop, selections only), off; "
+        "or a comma-separated sweep."
+    ),
+]
+BreakdownOpt = Annotated[
+    bool, typer.Option(help="Also time each offloaded step compute-only, transfer-only, without selecting.")
+]
+MicroOpt = Annotated[
+    bool, typer.Option(help="Micro-benchmarks instead: the gather vs the bulk copy, speculation vs a layer.")
+]
+MicroContextsOpt = Annotated[str, typer.Option(help="Context lengths of --micro.")]
+PlotOpt = Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch (or --micro's).")]
 
 
 @command
 @runtime_options(sweep=True, defaults={"policy": "dense,full,infinigen"}, more_policies=HF_BASELINES)
 def bench(
     runtime: dict,
-    shape: Annotated[str, typer.Option(help=SHAPES_HELP)] = "llama-3-8b",
-    model: Annotated[
-        str | None,
-        typer.Option(help="Real weights instead of --shape: alias, Hub id, checkpoint folder or GGUF file."),
-    ] = None,
-    artifact: Annotated[str | None, typer.Option(help="With --model: its artifact folder or Hub id.")] = None,
-    text: Annotated[
-        Path | None, typer.Option(help="With --model: prompts cut from this text, row after row. Default: random.")
-    ] = None,
-    repeat: Annotated[int, typer.Option(help="Runs of each case (own cache and prefill); the median is reported.")] = 1,
-    batch: Annotated[str, typer.Option(help="Batch sizes, comma-separated (a sweep).")] = "8",
-    prompt_len: Annotated[str, typer.Option(help="Context lengths before decoding, comma-separated.")] = "16384",
-    gen_len: Annotated[int, typer.Option(help="Timed decode steps (after 3 warm-up steps).")] = 16,
-    ratio: Annotated[
-        str, typer.Option(help="--shape: partial channels as a share of head_dim, comma-separated (an artifact each).")
-    ] = "0.5",
-    graphs: Annotated[
-        str,
-        typer.Option(
-            help="CUDA graphs: step (whole decode steps), selection (transformers' loop, selections only), off; "
-            "or a comma-separated sweep."
-        ),
-    ] = "step",
-    breakdown: Annotated[
-        bool, typer.Option(help="Also time each offloaded step compute-only, transfer-only, without selecting.")
-    ] = False,
-    micro: Annotated[
-        bool, typer.Option(help="Micro-benchmarks instead: the gather vs the bulk copy, speculation vs a layer.")
-    ] = False,
-    micro_contexts: Annotated[str, typer.Option(help="Context lengths of --micro.")] = "4096,16384,32768,131072",
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch.")] = None,
+    shape: ShapeOpt = "llama-3-8b",
+    model: RealModelOpt = None,
+    artifact: RealArtifactOpt = None,
+    text: PromptTextOpt = None,
+    repeat: RepeatOpt = 1,
+    batch: BatchOpt = "8",
+    prompt_len: PromptLenOpt = "16384",
+    gen_len: GenLenOpt = 16,
+    ratio: RatioOpt = "0.5",
+    graphs: GraphsOpt = "step",
+    breakdown: BreakdownOpt = False,
+    micro: MicroOpt = False,
+    micro_contexts: MicroContextsOpt = "4096,16384,32768,131072",
+    plot: PlotOpt = None,
     dtype: Annotated[str, typer.Option(help="Model dtype.")] = "bfloat16",
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
@@ -68,7 +82,7 @@ def bench(
 
     from infinigen.bench.micro import micro_report
     from infinigen.bench.plots import plot_bench, plot_micro
-    from infinigen.bench.runs import bench_cases, load_subject, pinned_bandwidth, run_sweep, subject_artifacts
+    from infinigen.bench.runs import bench_cases, load_subject, pinned_bandwidth, subject_artifacts
     from infinigen.models import resolve_device
     from infinigen.prepare import DEFAULT_RATIO
     from infinigen.runtime.config import settings_grid
@@ -77,6 +91,9 @@ def bench(
         raise InfinigenError(f"--repeat and --gen-len must be at least 1, got {repeat} and {gen_len}")
     if model is not None and ratio != str(DEFAULT_RATIO):
         raise InfinigenError("--ratio sweeps random artifacts (--shape); with --model the artifact sets it")
+    batches, lengths = parse_list(batch, "--batch", int), parse_list(prompt_len, "--prompt-len", int)
+    modes, ratios = parse_list(graphs, "--graphs", str), parse_list(ratio, "--ratio")
+    contexts = parse_list(micro_contexts, "--micro-contexts", int)
     device = resolve_device(device)
     subject = load_subject(shape, model, artifact, None if text is None else str(text), device, dtype)
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
@@ -89,34 +106,38 @@ def bench(
         "weights_gb": round(weights_gb, 2),
     }
     if micro:
-        report |= micro_report(subject.model, parse_list(micro_contexts, "--micro-contexts", int), runtime["budget"][0])
+        report |= micro_report(subject.model, contexts, runtime["budget"][0])
         if plot is not None:
             report["plot"] = str(plot_micro(report, plot))
         if not printed_json(report, as_json):
             _print_micro(report)
         return
     runtime["alpha"] = [subject.alpha if alpha is None else alpha for alpha in runtime["alpha"]]
-    cases = bench_cases(
-        settings_grid(runtime),
-        parse_list(batch, "--batch", int),
-        parse_list(prompt_len, "--prompt-len", int),
-        gen_len,
-        graphs=parse_list(graphs, "--graphs", str),
-        ratios=parse_list(ratio, "--ratio") if model is None else [DEFAULT_RATIO],
-    )
+    cases = bench_cases(settings_grid(runtime), batches, lengths, gen_len, graphs=modes, ratios=ratios)
     artifacts = subject_artifacts(subject, cases)
     bandwidth = pinned_bandwidth(device)
     report["pinned_h2d_gb_s"] = round(bandwidth, 1) if bandwidth is not None else None
+    results, split_rows = _run(subject, artifacts, cases, repeat, breakdown, as_json)
+    report |= {"results": results, "breakdown": split_rows}
+    if plot is not None:
+        report["plot"] = str(plot_bench(report, plot))
+    if not printed_json(report, as_json):
+        _print_bench(report)
+
+
+def _run(subject, artifacts: dict, cases: list, repeat: int, breakdown: bool, as_json: bool) -> tuple[list, list]:
+    """The sweep, with a progress bar for people or each row on stderr as JSON for machines."""
+    from infinigen.bench.runs import run_sweep
+
     splits = sum(breakdown and case.policy in ("full", "infinigen") for case in cases)
     with progress(disable=as_json) as bar:
         running = bar.add_task("cases", total=len(cases) + splits)
-
         done = iter(range(len(cases) + splits))
 
         def on_case(label: str) -> None:
             bar.update(running, description=label, completed=next(done))
 
-        results, split_rows = run_sweep(
+        rows = run_sweep(
             subject.model,
             artifacts,
             cases,
@@ -127,11 +148,7 @@ def bench(
             on_row=stream_row if as_json else lambda row: None,
         )
         bar.update(running, completed=len(cases) + splits)
-    report |= {"results": results, "breakdown": split_rows}
-    if plot is not None:
-        report["plot"] = str(plot_bench(report, plot))
-    if not printed_json(report, as_json):
-        _print_bench(report)
+    return rows
 
 
 def _percent(share: float | None) -> str:
