@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,9 +99,9 @@ def mlp_norm(layer: nn.Module) -> nn.Module:
 def fingerprint(model: nn.Module) -> str:
     """A short hash of the q/k projection weights: identifies the base model an artifact was made for.
 
-    Weights are rounded to bfloat16 first so that loading the same checkpoint in float32,
-    float16 or bfloat16 gives the same fingerprint; a strided subset of rows keeps it fast
-    for large models.
+    Weights are rounded to bfloat16 first so that loading the same checkpoint in float32 or bfloat16
+    gives the same fingerprint (float16 can round differently: ``qk_signature`` is the check that
+    holds across dtypes); a strided subset of rows keeps it fast for large models.
     """
     digest = hashlib.sha256()
     for layer in decoder_layers(model):
@@ -110,3 +111,75 @@ def fingerprint(model: nn.Module) -> str:
             rows = weight[::stride].to(device="cpu", dtype=torch.bfloat16).contiguous()
             digest.update(rows.view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+# The signature probes each of a layer's W_q and W_k with LEFT x RIGHT fixed Gaussian vectors: the
+# bilinear forms u^T W v, divided by ||W||_F, each have variance 1 for any W and move, to first order,
+# by u^T E v / ||W||_F when W moves by E. 4 x 8 per projection (64 per layer) keep the manifest small
+# (~1 KB per layer) while their RMS estimates ||E||_F / ||W||_F within about ±25%.
+SIGNATURE_LEFT, SIGNATURE_RIGHT = 4, 8
+SIGNATURE_PROBES = 2 * SIGNATURE_LEFT * SIGNATURE_RIGHT  # per layer: W_q's, then W_k's
+SIGNATURE_SEED = 20240710  # any fixed seed: the probes are part of the signature's definition
+# Rounding a float32 weight to bfloat16 (8 significant bits) changes it by at most 2^-8 of itself, so
+# a bfloat16 copy E = W_bf16 - W has ||E||_F <= 2^-8 ||W||_F: the norms move by at most 2^-8 of
+# themselves and the normalised probes by an expected RMS of at most 2^-8. Weights of spread-out
+# magnitudes round by about 0.45 * 2^-8 ~ 0.0018 in RMS (measured 0.0015-0.0018 on random models;
+# float16, 11 bits, rounds 8x finer), so the bound itself, 2^-8 ~ 0.0039, leaves twice that for the
+# 64 probes' sampling spread (about ±25%); weights 1% off in RMS (a fine-tune, another seed or
+# checkpoint) move the probes by ~0.01 and are refused.
+SIGNATURE_TOLERANCE = 2**-8
+
+
+@dataclass(frozen=True)
+class LayerSignature:
+    """A dtype-independent summary of one layer's q/k projection weights (see ``qk_signature``)."""
+
+    q_norm: float  # ||W_q||_F
+    k_norm: float  # ||W_k||_F
+    probes: tuple[float, ...]  # SIGNATURE_PROBES normalised bilinear forms u^T W v / ||W||_F
+
+
+@torch.no_grad()
+def _probe(weight: torch.Tensor) -> tuple[float, list[float]]:
+    """||W||_F and the normalised probes of one projection, in float64 (no TF32, no dtype effects)."""
+    n_out, n_in = weight.shape
+    generator = torch.Generator().manual_seed(SIGNATURE_SEED)
+    left = torch.randn(n_out, SIGNATURE_LEFT, generator=generator, dtype=torch.float64)
+    right = torch.randn(n_in, SIGNATURE_RIGHT, generator=generator, dtype=torch.float64).to(weight.device)
+    squares, forms = 0.0, torch.zeros(SIGNATURE_LEFT, SIGNATURE_RIGHT, dtype=torch.float64)
+    step = max(1, 2**22 // n_in)  # rows per chunk: a float64 copy of at most 32 MB at a time
+    for start in range(0, n_out, step):
+        rows = weight[start : start + step].to(torch.float64)
+        squares += float(rows.square().sum())
+        forms += left[start : start + step].mT @ (rows @ right).cpu()
+    norm = math.sqrt(squares)
+    return norm, ((forms.flatten() / norm).tolist() if norm > 0 else [0.0] * forms.numel())
+
+
+def qk_signature(model: nn.Module) -> tuple[LayerSignature, ...]:
+    """Per layer: the q/k weights' norms and fixed random probes, in float64; equal within
+    ``SIGNATURE_TOLERANCE`` for the same checkpoint loaded in any dtype (``signature_mismatch``)."""
+    signature = []
+    for layer in decoder_layers(model):
+        q_norm, q_probes = _probe(layer.self_attn.q_proj.weight.detach())
+        k_norm, k_probes = _probe(layer.self_attn.k_proj.weight.detach())
+        probes = tuple(round(p, 5) for p in q_probes + k_probes)  # 1e-5 steps: far below the tolerance
+        signature.append(LayerSignature(float(f"{q_norm:.7g}"), float(f"{k_norm:.7g}"), probes))
+    return tuple(signature)
+
+
+def signature_mismatch(stored: tuple[LayerSignature, ...], loaded: tuple[LayerSignature, ...]) -> str | None:
+    """None when ``loaded`` matches ``stored`` within ``SIGNATURE_TOLERANCE``; else the first difference."""
+    if len(stored) != len(loaded):
+        return f"{len(stored)} layers vs {len(loaded)}"
+    for i, (made_for, given) in enumerate(zip(stored, loaded, strict=True)):
+        for name, a, b in (("W_q norm", made_for.q_norm, given.q_norm), ("W_k norm", made_for.k_norm, given.k_norm)):
+            if not abs(a - b) <= SIGNATURE_TOLERANCE * max(a, b):  # `not <=`: a NaN is a mismatch
+                return f"layer {i}: {name} {a:.6g} vs {b:.6g}"
+        if len(made_for.probes) != len(given.probes):
+            return f"layer {i}: {len(made_for.probes)} probes vs {len(given.probes)}"
+        squares = sum((a - b) ** 2 for a, b in zip(made_for.probes, given.probes, strict=True))
+        rms = math.sqrt(squares / max(1, len(made_for.probes)))
+        if not rms <= SIGNATURE_TOLERANCE:
+            return f"layer {i}: probes differ by {rms:.3g} RMS (tolerance {SIGNATURE_TOLERANCE:.3g})"
+    return None

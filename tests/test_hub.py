@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
+import requests
 from huggingface_hub import HfApi, constants
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalTokenNotFoundError
 
+import infinigen.artifacts.hub
 from infinigen.artifacts import ArtifactError, artifact_folder, load_artifact, push_artifact, render_card, save_artifact
 from infinigen.prepare import prepare_artifact
 
@@ -66,3 +70,67 @@ def test_pull_unknown_hub_id_offline(tmp_path, monkeypatch):
 def test_missing_local_folder_is_not_a_hub_id(tmp_path):
     with pytest.raises(ArtifactError, match="not found"):
         artifact_folder(str(tmp_path / "nope" / "skewed"))
+
+
+def _client():
+    """huggingface_hub's HTTP client module (httpx; httpx2 in some releases): its errors are no OSError."""
+    return sys.modules[next(base.__module__ for base in HfHubHTTPError.__mro__ if base.__name__ == "HTTPError")]
+
+
+def _http_403():
+    client = _client()
+    request = client.Request("POST", "https://huggingface.co/api/repos/create")
+    return HfHubHTTPError(
+        "403 Forbidden: you have no write access\nmore detail", response=client.Response(403, request=request)
+    )
+
+
+HUB_FAILURES = {  # what huggingface_hub raises without network, token or rights -> the first line we show
+    "connection-refused": (lambda: _client().ConnectError("[Errno 111] Connection refused"), "Connection refused"),
+    "timeout": (lambda: _client().ReadTimeout("The read operation timed out"), "timed out"),
+    "empty-message": (lambda: _client().ConnectError(""), "ConnectError"),
+    "requests": (
+        lambda: requests.ConnectionError("HTTPSConnectionPool(host='huggingface.co'): Max retries\n(caused by ...)"),
+        "Max retries",
+    ),
+    "no-token": (
+        lambda: LocalTokenNotFoundError("Token is required (`token=True`), but no token found.\nRun `hf auth login`"),
+        "no token found",
+    ),
+    "http-403": (_http_403, "403 Forbidden: you have no write access"),
+    "bad-repo-id": (lambda: HFValidationError("Repo id must use alphanumeric chars"), "alphanumeric"),
+}
+
+
+@pytest.mark.parametrize("failure", HUB_FAILURES)
+def test_push_failures_are_one_line(saved, monkeypatch, failure):
+    make, shown = HUB_FAILURES[failure]
+
+    def create_repo(self, repo_id, **kw):
+        raise make()
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    with pytest.raises(ArtifactError, match="push to me/tiny-infinigen failed: ") as refused:
+        push_artifact(saved, "me/tiny-infinigen")
+    assert shown in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_push_offline(saved, monkeypatch):
+    """HF_HUB_OFFLINE=1 as huggingface_hub reads it: its request hook refuses before any connection."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ArtifactError, match="push to me/tiny-infinigen failed: .*offline mode is enabled") as refused:
+        push_artifact(saved, "me/tiny-infinigen", token="hf_not_a_real_token")
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("failure", HUB_FAILURES)
+def test_pull_failures_are_one_line(monkeypatch, failure):
+    make, shown = HUB_FAILURES[failure]
+
+    def snapshot_download(repo_id, **kw):
+        raise make()
+
+    monkeypatch.setattr(infinigen.artifacts.hub, "snapshot_download", snapshot_download)
+    with pytest.raises(ArtifactError, match="artifact 'me/nothing' not found locally or on the Hub: ") as refused:
+        artifact_folder("me/nothing")
+    assert shown in str(refused.value) and "\n" not in str(refused.value)

@@ -3,22 +3,40 @@
 from infinigen.artifacts.card import render_card
 from infinigen.artifacts.format import (
     Artifact,
-    ArtifactError,
-    Manifest,
     check_compatible,
+    check_tensors,
     load_artifact,
     read_manifest,
     save_artifact,
 )
 from infinigen.artifacts.hub import artifact_folder, push_artifact
+from infinigen.artifacts.manifest import (
+    FORMAT_VERSION,
+    ArtifactError,
+    BaseModelRecord,
+    CalibrationRecord,
+    CalibrationSource,
+    EnergyRow,
+    Manifest,
+    SpecRecord,
+    manifest_from_json,
+)
 
 __all__ = [
+    "FORMAT_VERSION",
     "Artifact",
     "ArtifactError",
+    "BaseModelRecord",
+    "CalibrationRecord",
+    "CalibrationSource",
+    "EnergyRow",
     "Manifest",
+    "SpecRecord",
     "artifact_folder",
     "check_compatible",
+    "check_tensors",
     "load_artifact",
+    "manifest_from_json",
     "open_artifact",
     "push_artifact",
     "read_manifest",
@@ -29,8 +47,12 @@ __all__ = [
 
 def open_artifact(artifact, model) -> Artifact:
     """Load an artifact (folder or Hub id) and check that it was made for ``model``."""
-    from infinigen.architectures import fingerprint, model_spec
+    from infinigen.architectures import fingerprint, model_spec, qk_signature
 
     loaded = load_artifact(artifact_folder(artifact))
-    check_compatible(loaded.manifest, model_spec(model.config), fingerprint(model))
+    base = loaded.manifest.base_model
+    exact = fingerprint(model)
+    # The signature reads every q/k weight once: only needed when the fingerprint differs (another dtype)
+    signature = qk_signature(model) if exact != base.fingerprint and base.qk_signature is not None else None
+    check_compatible(loaded.manifest, model_spec(model.config), exact, signature)
     return loaded

@@ -2,13 +2,15 @@
 
 Tensors, per layer ``i`` (h = KV heads, d = head_dim, r = kept channels):
 - ``layers.i.skew_matrix``  (h, d, d) float32: orthogonal A per KV head; skewed q = q @ A.
-- ``layers.i.channels``     (h, r) int64: the kept columns of the skewed q/k, ascending.
+- ``layers.i.channels``     (h, r) int64: the kept columns of the skewed q/k, strictly ascending.
 - OPT only: ``layers.i.partial_query_weight`` (heads, r, hidden + 1) float32: the kept rows of
   the skewed, 1/sqrt(d)-scaled W_q with its bias as the last column, so that the partial
   query is ``[x, 1] @ W.T`` without any other step.
 
-Writes are atomic (a hidden sibling folder, renamed into place); reads check everything and
-fail with one-line ``ArtifactError`` messages.
+Writes are atomic (a hidden sibling folder, renamed into place) and leave ordinary files (modes
+from the umask). Reads check everything (the manifest field by field, see ``manifest.py``; the
+tensors' names, shapes and dtypes from the file's header before any data is read; then their
+values) and fail with one-line ``ArtifactError`` messages.
 """
 
 from __future__ import annotations
@@ -16,48 +18,36 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, replace
+from itertools import islice
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-from infinigen.architectures import ModelSpec
-from infinigen.errors import InfinigenError
+from infinigen.architectures import LayerSignature, ModelSpec, signature_mismatch
+from infinigen.artifacts.manifest import (
+    FORMAT_VERSION,
+    TENSORS,
+    ArtifactError,
+    Manifest,
+    manifest_from_json,
+)
 
-FORMAT_VERSION = 1
 MANIFEST = "infinigen.json"
-TENSORS = "skew.safetensors"
 CARD = "README.md"
-
-
-class ArtifactError(InfinigenError):
-    """The artifact is missing, corrupted, of an unknown version, or made for another model."""
-
-
-@dataclass(frozen=True)
-class Manifest:
-    base_model: dict  # {"model_id", "revision", "kind", "hub_id", "fingerprint"}
-    spec: dict  # ModelSpec fields
-    ratio: float
-    n_channels: int
-    calibration: dict  # {"sources": [{"name", "sha256", "tokens"}], "tokens": int}
-    energy: list[dict]  # per layer: {"layer", "before", "after"} (means over KV heads)
-    versions: dict
-    created: str
-    tensors_sha256: str = ""
-    format_version: int = FORMAT_VERSION
-    tensors_file: str = TENSORS
-    extra: dict = field(default_factory=dict)
-    method: dict = field(default_factory=lambda: {"skew": "svd", "channels": "top"})  # others: ablations
-
-    @property
-    def model_spec(self) -> ModelSpec:
-        return ModelSpec(**self.spec)
+MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest is ~1 KB per layer; a bigger file is no manifest
+# Float32 rounding moves each entry of AᵀA of an orthogonal A by at most ~2 * 2^-24 (Cauchy-Schwarz
+# over a column pair); a skew computed in float32 throughout stays within ~head_dim * 2^-24. 1e-4
+# passes both with margin and still catches any matrix that is not a rotation (NaN, zeros, scaling).
+ORTHOGONALITY_TOLERANCE = 1e-4
+_DTYPES = {torch.float32: "F32", torch.int64: "I64"}  # the artifact's dtypes, as safetensors names them
+_NAME = re.compile(r"layers\.(0|[1-9][0-9]{0,5})\.(skew_matrix|channels|partial_query_weight)")
 
 
 @dataclass(frozen=True)
@@ -75,16 +65,28 @@ class Artifact:
         return self.tensors.get(f"layers.{layer}.partial_query_weight")
 
 
-def expected_tensors(spec: ModelSpec, n_channels: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of every tensor an artifact for ``spec`` must hold."""
+def _kinds(spec: ModelSpec) -> tuple[str, ...]:
+    return ("skew_matrix", "channels") if spec.rope else ("skew_matrix", "channels", "partial_query_weight")
+
+
+def expected_tensor(name: str, spec: ModelSpec, n_channels: int) -> tuple[tuple[int, ...], str] | None:
+    """(shape, safetensors dtype) of tensor ``name`` in an artifact for ``spec``; None if it has no such tensor."""
+    match = _NAME.fullmatch(name)
+    if match is None or int(match[1]) >= spec.n_layers or match[2] not in _kinds(spec):
+        return None
     h, d, r = spec.n_kv_heads, spec.head_dim, n_channels
-    expected = {}
+    return {
+        "skew_matrix": ((h, d, d), "F32"),
+        "channels": ((h, r), "I64"),
+        "partial_query_weight": ((spec.n_heads, r, spec.hidden_size + 1), "F32"),
+    }[match[2]]
+
+
+def expected_names(spec: ModelSpec) -> Iterator[str]:
+    """Every tensor name an artifact for ``spec`` holds, lazily (layer by layer)."""
     for i in range(spec.n_layers):
-        expected[f"layers.{i}.skew_matrix"] = ((h, d, d), torch.float32)
-        expected[f"layers.{i}.channels"] = ((h, r), torch.int64)
-        if not spec.rope:
-            expected[f"layers.{i}.partial_query_weight"] = ((spec.n_heads, r, spec.hidden_size + 1), torch.float32)
-    return expected
+        for kind in _kinds(spec):
+            yield f"layers.{i}.{kind}"
 
 
 def _sha256(path: Path) -> str:
@@ -102,10 +104,19 @@ def _umask() -> int:
 
 
 def _write_synced(path: Path, text: str) -> None:
-    with path.open("w") as f:
+    with path.open("w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _as_ordinary_files(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes of a freshly created file or folder: safetensors
+    (the tensors, a skewed checkpoint) and mkdtemp write theirs private (0600 / 0700)."""
+    mask = _umask()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def save_artifact(
@@ -118,14 +129,16 @@ def save_artifact(
 ) -> Path:
     """Write ``artifact`` to the folder ``out`` atomically; refuse to replace it unless ``force``.
 
+    The manifest and tensors pass the reader's checks first: what is written can be read back.
     ``write_extra(staging_folder)`` may add files (a skewed checkpoint) inside the same atomic write.
     """
     out = Path(out)
     if out.exists() and not force:
         raise ArtifactError(f"{out} already exists: pass --force to replace it")
+    manifest = replace(artifact.manifest, format_version=FORMAT_VERSION, tensors_file=TENSORS)
+    check_tensors(artifact.tensors, _round_trip(replace(manifest, tensors_sha256="0" * 64)))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the artifact is an ordinary folder
     try:
         tensors_path = staging / TENSORS
         save_file(
@@ -135,16 +148,22 @@ def save_artifact(
         )
         with tensors_path.open("rb+") as f:
             os.fsync(f.fileno())
-        manifest = Manifest(**{**asdict(artifact.manifest), "tensors_sha256": _sha256(tensors_path)})
+        manifest = replace(manifest, tensors_sha256=_sha256(tensors_path))
         _write_synced(staging / MANIFEST, json.dumps(asdict(manifest), indent=2) + "\n")
         _write_synced(staging / CARD, card)
         if write_extra is not None:
             write_extra(staging)
+        _as_ordinary_files(staging)
         _replace_folder(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _round_trip(manifest: Manifest) -> Manifest:
+    """``manifest`` as a reader will see it: checked field by field through its JSON."""
+    return manifest_from_json(json.loads(json.dumps(asdict(manifest))), "the manifest to write")
 
 
 def _replace_folder(new: Path, target: Path) -> None:
@@ -164,76 +183,124 @@ def _replace_folder(new: Path, target: Path) -> None:
 
 
 def read_manifest(folder: str | Path) -> Manifest:
+    """The folder's manifest, every field checked (``manifest.manifest_from_json``)."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{folder} is not an infinigen artifact: {MANIFEST} is missing")
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path} is corrupted: not valid JSON") from exc
-    if not isinstance(raw, dict):
-        raise ArtifactError(f"{path} is corrupted: expected a JSON object")
-    version = raw.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ArtifactError(
-            f"{path}: unknown artifact format version {version!r} (this infinigen reads version {FORMAT_VERSION})"
-        )
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise ArtifactError(f"{path} is corrupted: larger than {MAX_MANIFEST_BYTES >> 20} MB")
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise ArtifactError(f"{path} is corrupted: not valid JSON (not UTF-8)") from None
     try:
-        manifest = Manifest(**raw)
-        manifest.model_spec  # noqa: B018 - validates the spec fields
-    except TypeError as exc:
-        raise ArtifactError(f"{path} is corrupted: {exc}") from exc
-    return manifest
+        raw = json.loads(text)
+    # ValueError: JSONDecodeError, and integers too long to convert; RecursionError: deep nesting
+    except (ValueError, RecursionError):
+        raise ArtifactError(f"{path} is corrupted: not valid JSON") from None
+    return manifest_from_json(raw, str(path))
 
 
 def load_artifact(folder: str | Path) -> Artifact:
-    """Read and check an artifact folder (integrity, names, shapes, dtypes); not yet its model."""
+    """Read and check an artifact folder (integrity, names, shapes, dtypes, values); not yet its model."""
     folder = Path(folder)
     manifest = read_manifest(folder)
+    # A plain file name (checked with the manifest), so this stays inside the folder. Symlinks are
+    # followed: huggingface_hub's snapshot folders link every file into the cache's blobs/.
     tensors_path = folder / manifest.tensors_file
     if not tensors_path.is_file():
         raise ArtifactError(f"{folder} is incomplete: {manifest.tensors_file} is missing")
-    if _sha256(tensors_path) != manifest.tensors_sha256:
-        raise ArtifactError(f"{tensors_path} is corrupted: its checksum does not match {MANIFEST}")
     try:
-        tensors = load_file(str(tensors_path))
+        if _sha256(tensors_path) != manifest.tensors_sha256:
+            raise ArtifactError(f"{tensors_path} is corrupted: its checksum does not match {MANIFEST}")
+        with safe_open(str(tensors_path), framework="pt") as f:
+            names = list(f.keys())
+            _check_layout({name: _header_entry(f, name) for name in names}, manifest)
+            tensors = {}
+            for name in names:  # one at a time: a bad tensor stops the read before the rest is loaded
+                tensors[name] = f.get_tensor(name)
+                _check_values(name, tensors[name], manifest.spec.head_dim)
     except (SafetensorError, OSError) as exc:
-        raise ArtifactError(f"{tensors_path} is corrupted: {exc}") from exc
-    check_tensors(tensors, manifest)
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ArtifactError(f"{tensors_path} is corrupted: {first_line}") from exc
     return Artifact(manifest, tensors)
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], manifest: Manifest) -> None:
-    expected = expected_tensors(manifest.model_spec, manifest.n_channels)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
+def _header_entry(f, name: str) -> tuple[tuple[int, ...], str]:
+    tensor = f.get_slice(name)
+    return tuple(tensor.get_shape()), tensor.get_dtype()
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
+    """Fail unless ``tensors`` are exactly what an artifact with ``manifest`` holds, with sound values."""
+    layout = {name: (tuple(t.shape), _DTYPES.get(t.dtype, str(t.dtype))) for name, t in tensors.items()}
+    _check_layout(layout, manifest)
+    for name, tensor in tensors.items():
+        _check_values(name, tensor, manifest.spec.head_dim)
+
+
+def _check_layout(layout: Mapping[str, tuple[tuple[int, ...], str]], manifest: Manifest) -> None:
+    """Names, shapes and dtypes (safetensors' names), checked without building the expected set."""
+    spec, n_channels = manifest.model_spec, manifest.n_channels
+    expected = {name: expected_tensor(name, spec, n_channels) for name in layout}  # at most one per tensor given
+    unexpected = sorted(name for name, entry in expected.items() if entry is None)
+    if unexpected or len(layout) != spec.n_layers * len(_kinds(spec)):
+        # every given name is expected and unique: with the right count, none is missing
+        missing = list(islice((name for name in expected_names(spec) if name not in layout), 3))
         raise ArtifactError(
-            f"artifact tensors do not match its manifest: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            f"artifact tensors do not match its manifest: missing {missing}, unexpected {unexpected[:3]}"
         )
-    for name, (shape, dtype) in expected.items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ArtifactError(
-                f"artifact tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}"
-            )
-        if name.endswith(".channels") and (tensor.min() < 0 or tensor.max() >= manifest.model_spec.head_dim):
+    for name, (shape, dtype) in layout.items():
+        want_shape, want_dtype = expected[name]
+        if shape != want_shape or dtype != want_dtype:
+            raise ArtifactError(f"artifact tensor {name} is {shape} {dtype}, expected {want_shape} {want_dtype}")
+
+
+def _check_values(name: str, tensor: torch.Tensor, head_dim: int) -> None:
+    """The values the runtime relies on: finite rotations, ascending in-range channels, finite weights."""
+    if name.endswith(".channels"):
+        if tensor.numel() and (tensor.min() < 0 or tensor.max() >= head_dim):
             raise ArtifactError(f"artifact tensor {name} holds channel indices outside [0, head_dim)")
+        if not bool((tensor[:, 1:] > tensor[:, :-1]).all()):
+            raise ArtifactError(f"artifact tensor {name} is not strictly ascending per KV head")
+        return
+    if not bool(torch.isfinite(tensor).all()):
+        raise ArtifactError(f"artifact tensor {name} holds NaN or infinite values")
+    if name.endswith(".skew_matrix"):
+        skew = tensor.double()
+        eye = torch.eye(skew.shape[-1], dtype=torch.float64)
+        error = float((skew.mT @ skew - eye).abs().amax()) if skew.numel() else 0.0
+        if not error <= ORTHOGONALITY_TOLERANCE:
+            raise ArtifactError(f"artifact tensor {name} is not orthogonal per KV head (|AᵀA - I| reaches {error:.2g})")
 
 
-def check_compatible(manifest: Manifest, spec: ModelSpec, fingerprint: str) -> None:
-    """Fail unless the artifact was made for this model (same geometry and q/k weights)."""
-    made_for = manifest.base_model.get("model_id")
+def check_compatible(
+    manifest: Manifest,
+    spec: ModelSpec,
+    fingerprint: str,
+    signature: tuple[LayerSignature, ...] | None = None,
+) -> None:
+    """Fail unless the artifact was made for this model: the same geometry, and the same q/k weights
+    by ``fingerprint`` (exact) or, across dtypes, by ``signature`` (``architectures.qk_signature``)."""
+    made_for = manifest.base_model.model_id
     if manifest.model_spec != spec:
-        diffs = [
-            f"{key} {theirs} vs {ours}"
-            for key, theirs in manifest.spec.items()
-            if theirs != (ours := getattr(spec, key))
-        ]
+        pairs = [(key, theirs, getattr(spec, key)) for key, theirs in manifest.spec.items()]
+        diffs = [f"{key} {theirs} vs {ours}" for key, theirs, ours in pairs if theirs != ours]
         raise ArtifactError(f"artifact was made for another model ({made_for}): {', '.join(diffs)}")
-    if manifest.base_model.get("fingerprint") != fingerprint:
+    if manifest.base_model.fingerprint == fingerprint:
+        return
+    stored = manifest.base_model.qk_signature
+    if stored is None:
         raise ArtifactError(
             f"artifact was made for another model ({made_for}): q/k weight fingerprint "
-            f"{manifest.base_model.get('fingerprint')} vs {fingerprint} for the loaded model"
+            f"{manifest.base_model.fingerprint} vs {fingerprint} for the loaded model; if it is the same "
+            "model in another dtype, re-run `infinigen prepare` for an artifact that checks its weights across dtypes"
         )
+    if signature is None:
+        raise ArtifactError(f"artifact was made for another model ({made_for}): q/k weight fingerprint differs")
+    problem = signature_mismatch(stored, signature)
+    if problem is not None:
+        raise ArtifactError(f"artifact was made for another model ({made_for}): q/k weights differ, {problem}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import math
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -11,14 +10,25 @@ from pathlib import Path
 import torch
 
 from infinigen import __version__
-from infinigen.architectures import decoder_layers, fingerprint, model_spec
-from infinigen.artifacts.format import Artifact, Manifest
+from infinigen.architectures import decoder_layers, fingerprint, model_spec, qk_signature
+from infinigen.artifacts.format import Artifact
+from infinigen.artifacts.manifest import (  # SKEWS, CHANNEL_RULES: the format names the methods
+    CHANNEL_RULES,
+    SKEWS,
+    BaseModelRecord,
+    CalibrationRecord,
+    CalibrationSource,
+    EnergyRow,
+    Manifest,
+    SpecRecord,
+    channels_for_ratio,
+)
 from infinigen.errors import InfinigenError
 from infinigen.models import LoadedModel
 from infinigen.prepare.calibration import CalibrationSample, load_samples
 from infinigen.prepare.capture import capture_qk
 from infinigen.prepare.fold import partial_query_weight
-from infinigen.prepare.skew import CHANNEL_RULES, SKEWS, HeadSkew, group_queries, skew_head
+from infinigen.prepare.skew import HeadSkew, group_queries, skew_head
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -30,9 +40,9 @@ DEFAULT_RATIO = 0.5
 
 
 def n_channels_for(ratio: float, head_dim: int) -> int:
-    if not 0 < ratio <= 1:
+    if not 0 < ratio <= 1:  # also refuses NaN
         raise InfinigenError(f"--ratio must be in (0, 1], got {ratio}")
-    return max(1, math.ceil(ratio * head_dim))
+    return channels_for_ratio(ratio, head_dim)
 
 
 @torch.no_grad()
@@ -99,24 +109,27 @@ def prepare_artifact(
                 attn.q_proj, attn.scaling, skew_matrices, channels
             )
         energy.append(
-            {
-                "layer": i,
-                "before": round(sum(h.energy_before for h in heads) / len(heads), 6),
-                "after": round(sum(h.energy_after for h in heads) / len(heads), 6),
-            }
+            EnergyRow(
+                layer=i,
+                before=round(sum(h.energy_before for h in heads) / len(heads), 6),
+                after=round(sum(h.energy_after for h in heads) / len(heads), 6),
+            )
         )
         if progress:
             progress("skew per layer", i + 1, spec.n_layers)
+    base_model = BaseModelRecord(
+        **asdict(loaded.source), fingerprint=fingerprint(loaded.model), qk_signature=qk_signature(loaded.model)
+    )
     manifest = Manifest(
-        base_model={**asdict(loaded.source), "fingerprint": fingerprint(loaded.model)},
-        spec=asdict(spec),
-        ratio=ratio,
+        base_model=base_model,
+        spec=SpecRecord(**asdict(spec)),
+        ratio=float(ratio),
         n_channels=n_channels,
-        calibration={
-            "sources": [{"name": s.name, "sha256": s.sha256, "tokens": s.tokens} for s in samples],
-            "tokens": sum(s.tokens for s in samples),
-        },
-        energy=energy,
+        calibration=CalibrationRecord(
+            sources=tuple(CalibrationSource(s.name, s.sha256, s.tokens) for s in samples),
+            tokens=sum(s.tokens for s in samples),
+        ),
+        energy=tuple(energy),
         method={"skew": skew, "channels": channel_rule},
         versions=_versions(),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -22,9 +22,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SKEWS = ("svd", "identity")  # identity: no skewing (an ablation)
-CHANNEL_RULES = ("top", "random")  # random: kept channels drawn at random (an ablation)
-
 
 @dataclass(frozen=True)
 class HeadSkew:
