@@ -153,26 +153,21 @@ def models(as_json: JsonOpt = False) -> None:
 
 def _summary(manifest) -> dict:
     spec, base = manifest.spec, manifest.base_model
-    energy = manifest.energy
+    before, after = manifest.mean_energy()
     return {
-        "base_model": base["model_id"],
-        "fingerprint": base["fingerprint"],
-        "architecture": f"{spec['model_type']} ({spec['n_layers']} layers, {spec['n_heads']} heads, "
-        f"{spec['n_kv_heads']} KV heads, head_dim {spec['head_dim']})",
-        "channels": f"{manifest.n_channels} of {spec['head_dim']} (ratio {manifest.ratio})",
-        "calibration_tokens": manifest.calibration["tokens"],
-        "energy_before": round(sum(e["before"] for e in energy) / len(energy), 4),
-        "energy_after": round(sum(e["after"] for e in energy) / len(energy), 4),
+        "base_model": base.model_id,
+        "fingerprint": base.fingerprint,
+        "architecture": f"{spec.model_type} ({spec.n_layers} layers, {spec.n_heads} heads, "
+        f"{spec.n_kv_heads} KV heads, head_dim {spec.head_dim})",
+        "channels": f"{manifest.n_channels} of {spec.head_dim} (ratio {manifest.ratio})",
+        "calibration_tokens": manifest.calibration.tokens,
+        "energy_before": round(before, 4),
+        "energy_after": round(after, 4),
         "created": manifest.created,
     }
 
 
 def _print_energy(manifest) -> None:
-    rows = [
-        {"layer": e["layer"], "before": f"{e['before']:.3f}", "after": f"{e['after']:.3f}"} for e in manifest.energy
-    ]
-    print_rows(
-        "score energy in the kept channels",
-        {"layer": "layer", "energy before": "before", "energy after": "after"},
-        rows,
-    )
+    rows = [{"layer": e.layer, "before": f"{e.before:.3f}", "after": f"{e.after:.3f}"} for e in manifest.energy]
+    columns = {"layer": "layer", "energy before": "before", "energy after": "after"}
+    print_rows("score energy in the kept channels", columns, rows)
