@@ -231,7 +231,7 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"eviction": "random"}, "eviction must be one of"),
         ({"lookahead_from": "output"}, "lookahead_from must be one of"),
         ({"attention_lookahead_layers": -1}, "attention_lookahead_layers must be >= 0"),
-        ({"partial_key_bits": 2}, "partial_key_bits must be 4, 8 or 16"),
+        ({"partial_key_bits": 2}, "partial_key_bits must be one of 4, 8, 16"),
         ({"dense_layers": 0}, "dense_layers must be at least 1"),
         ({"reuse_rows": True, "cpu_pool_gb": 1.0}, "reuse_rows needs an unlimited CPU pool"),
         ({"reuse_rows": True, "policy": "int4"}, "reuse_rows keeps decoded rows: not for 'int4'"),

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "InfinigenCache": "infinigen.runtime.cache",
-    "StepGraph": "infinigen.runtime.decode",
-    "cache_argument": "infinigen.runtime.decode",
-    "decode": "infinigen.runtime.decode",
+    "StepGraph": "infinigen.runtime.generation",
+    "cache_argument": "infinigen.runtime.generation",
+    "decode": "infinigen.runtime.generation",
     "POLICIES": "infinigen.runtime.policies",
 }
 

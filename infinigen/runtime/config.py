@@ -47,7 +47,9 @@ class RuntimeConfig:
     min_tokens: int = option(8, "Fewest tokens fetched per step and layer (when that many are cached).", cli=False)
     dense_layers: int = option(2, "The first layers keep their whole KV on the GPU (as the paper).", cli=False)
     cpu_pool_gb: float | None = option(
-        None, "Limit of the CPU KV pool in GiB (2^30 bytes); a full pool evicts. Default: no limit.", applies_to="offloads"
+        None,
+        "Limit of the CPU KV pool in GiB (2^30 bytes); a full pool evicts. Default: no limit.",
+        applies_to="offloads",
     )
     eviction: Eviction = option(
         "counter", "What a full CPU pool overwrites: counter (the paper) | fifo | lru.", applies_to="offloads"

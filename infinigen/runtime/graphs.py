@@ -1,5 +1,5 @@
 """CUDA graphs: an offloaded layer's decode-time selection (``SelectionGraph``), and the capture
-that ``infinigen.runtime.decode.StepGraph`` uses for whole decode steps.
+that ``infinigen.runtime.generation.StepGraph`` uses for whole decode steps.
 
 A policy's selection is a few dozen small kernels per layer and step; launched one at a time from
 Python they cost more host time than the GPU spends on them, and the whole decode step becomes
