@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from test_runtime import EXACT, EXACT_POLICIES, greedy, padded_batch, tiny_setup
+from helpers import EXACT, EXACT_POLICIES, greedy, padded_batch, tiny_setup
 from transformers import DynamicCache, TextStreamer
 
 import infinigen

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import DEVICES, run_in_interpreter
-from test_runtime import greedy, padded_batch, teacher_forced_argmax, tiny_setup
+from helpers import greedy, padded_batch, teacher_forced_argmax, tiny_setup
 
 from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
 from infinigen.runtime.buffers import store_slots
