@@ -15,10 +15,9 @@ from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
 from infinigen.runtime.buffers import store_slots
 from infinigen.runtime.layers import OffloadedLayer
 from infinigen.runtime.policies.h2o import H2OPolicy
-from infinigen.runtime.policies.infinigen import group_scores
 from infinigen.runtime.policies.int4 import GroupQuantizer
 from infinigen.runtime.policies.quest import PAGE, QuestPolicy
-from infinigen.runtime.scoring import LEVELS, code_values, quantize_rows
+from infinigen.runtime.scoring import LEVELS, code_values, group_scores, quantize_rows
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -121,8 +120,7 @@ def tile_maxima(scores: torch.Tensor) -> torch.Tensor:
 FUSED_SCORES_CHECK = r"""
 import torch
 from test_policies import tile_maxima
-from infinigen.runtime.policies.infinigen import group_scores
-from infinigen.runtime.scoring import fused_group_scores, quantize_rows
+from infinigen.runtime.scoring import fused_group_scores, group_scores, quantize_rows
 g = torch.Generator().manual_seed(0)
 B, kv, G, cap, n, c = 2, 3, 4, 300, 257, 40
 keys = torch.randn(B, kv, cap, c, generator=g)

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from infinigen.runtime.layers import OffloadedLayer
-from infinigen.runtime.policies.infinigen import group_scores
+from infinigen.runtime.scoring import group_scores
 
 
 class RecallProbe:

@@ -10,9 +10,9 @@ import torch
 from infinigen.runtime.buffers import grown_to, store_slots
 from infinigen.runtime.policies.base import Policy, Selection
 from infinigen.runtime.scoring import (
-    code_values,
     fused_available,
     fused_group_scores,
+    group_scores,
     quantize_rows,
     store_token_codes,
 )
@@ -76,22 +76,3 @@ def select_tokens(
         scores, tile_max = fused_group_scores(partial_query, partial_keys, valid, key_scale)
         return top_slots(scores, rule, k_max, tile_max)
     return top_slots(group_scores(partial_query, partial_keys, valid, key_scale), rule, k_max)
-
-
-def group_scores(
-    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, key_scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """queries (B, heads, c) x keys (B, kv_heads, n, c) -> (B, kv_heads, n) float: each KV head scores a
-    token by the best logit of its query group; -inf where ``valid`` is False. With ``key_scale``
-    (B, kv_heads, n) the keys are the codes of ``quantize_rows`` (a positive scale per token commutes
-    with the max over the group)."""
-    if key_scale is not None and fused_available(keys.device):
-        return fused_group_scores(queries, keys, valid, key_scale)[0]
-    if key_scale is not None:
-        keys = code_values(keys)
-    batch, kv_heads = keys.shape[:2]
-    grouped = queries.view(batch, kv_heads, -1, queries.shape[-1])
-    scores = torch.einsum("bkgc,bktc->bkgt", grouped, keys.to(queries.dtype)).amax(dim=2).float()
-    if key_scale is not None:
-        scores = scores * key_scale
-    return scores.masked_fill(~valid, -math.inf)

@@ -10,7 +10,7 @@ import torch
 
 from infinigen.runtime.buffers import store_slots
 from infinigen.runtime.policies.base import Policy, Selection
-from infinigen.runtime.policies.infinigen import group_scores
+from infinigen.runtime.scoring import group_scores
 from infinigen.runtime.speculation import exact_query
 from infinigen.runtime.top_slots import first_ranks
 
