@@ -13,13 +13,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from infinigen.architectures import Norm
+from infinigen.architectures import ModelSpec, Norm
 from infinigen.errors import InfinigenError
 from infinigen.runtime.buffers import grown, grown_to
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.graphs import SelectionGraph
-from infinigen.runtime.policies import Policy, Selection
-from infinigen.runtime.policies.base import RowCodec
+from infinigen.runtime.policies.base import Policy, RowCodec, Selection
 from infinigen.runtime.pool import KVPool
 from infinigen.runtime.reuse import ResidentRows
 from infinigen.runtime.speculation import LayerSpeculator
@@ -251,6 +250,14 @@ class OffloadedLayer(_Layer):
         self.step += 1
         self.length += 1
         self.stats.written_rows += self.valid.shape[0] * self.valid.shape[1]
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.runtime.spec
+
+    def all_slots(self, n: int) -> torch.Tensor:
+        """arange(n) on the device, shared by the cache's layers."""
+        return self.runtime.all_slots(n)
 
     def device_used(self) -> torch.Tensor:
         """``used`` as a (1,) tensor on the device: the cache's ``slot`` while the pool appends (a

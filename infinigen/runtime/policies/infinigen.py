@@ -8,7 +8,7 @@ import math
 import torch
 
 from infinigen.runtime.buffers import grown_to, store_slots
-from infinigen.runtime.policies.base import Policy, Selection
+from infinigen.runtime.policies.base import LayerView, Policy, Selection
 from infinigen.runtime.scoring import (
     fused_available,
     fused_group_scores,
@@ -32,7 +32,7 @@ class InfinigenPolicy(Policy):
         self.partial_key_cache: torch.Tensor | None = None
         self.partial_key_scale: torch.Tensor | None = None
 
-    def stored(self, layer, slots, keys) -> None:
+    def stored(self, layer: LayerView, slots, keys) -> None:
         if self.partial_key_scale is not None and not isinstance(slots, slice) and fused_available(keys.device):
             # a decode step's token: one kernel projects, quantizes and writes it at its slots (B, kv_heads)
             self.partial_key_cache = grown_to(self.partial_key_cache, layer.capacity, 2)
@@ -46,7 +46,7 @@ class InfinigenPolicy(Policy):
             self.partial_key_scale = store_slots(self.partial_key_scale, slots, scale, layer.capacity)
         self.partial_key_cache = store_slots(self.partial_key_cache, slots, partial, layer.capacity)
 
-    def select(self, layer, attention_input, rope) -> Selection:
+    def select(self, layer: LayerView, attention_input, rope) -> Selection:
         n, cfg = layer.capacity, self.config  # every slot the buffers have; unused ones are invalid
         k_max = min(n, max(cfg.min_tokens, math.ceil(cfg.budget * n)))  # static bound for every row
         partial_query = layer.speculator.partial_query(attention_input, rope)  # (B, heads, r)
