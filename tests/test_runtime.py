@@ -353,7 +353,7 @@ def test_without_selection_refetches_the_previous_selection(tokenizer, device, m
         model(ids[:, 40:41], **{name: cache})
         before = [selection.indices.clone() for selection in fetched]
         fetched.clear()
-        cache.select_rows = False
+        cache.diagnostics.select_rows = False
         for layer in cache.offloaded:
             monkeypatch.setattr(layer, "select", None)  # a selection would fail
         model(ids[:, 41:], **{name: cache})

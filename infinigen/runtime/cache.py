@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,6 +39,25 @@ ATTENTION = "infinigen"
 # SDPA backends for every attention we run: cuDNN's builds a plan per new KV length (~1 ms of host
 # time per call on an H200, so once per layer and decode step).
 DENSE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass
+class Diagnostics:
+    """Switches and probes of ``infinigen bench --breakdown`` and ``infinigen eval --recall``; the
+    defaults change nothing.
+
+    - ``move_rows`` False: skip the row moves (a step's compute alone);
+    - ``select_rows`` False: each layer refetches its previous selection instead of selecting anew
+      (what selecting costs, by difference);
+    - ``kept_gathers`` a list: each gather's arguments are appended, to replay them alone (transfer only);
+    - ``decode_probe``: called as probe(layer, query (B, H, 1, d)) at each decode attention of an
+      offloaded layer.
+    """
+
+    move_rows: bool = True
+    select_rows: bool = True
+    kept_gathers: list[tuple] | None = None
+    decode_probe: Callable[[OffloadedLayer, torch.Tensor], None] | None = None
 
 
 class InfinigenCache(Cache):
@@ -81,15 +101,7 @@ class InfinigenCache(Cache):
         self.driven = False  # a StepGraph runs the decode steps (and begins each one itself)
         self.capturing = False  # a decode step is being captured: no host work that a replay would skip
         self.replayed_steps = 0  # decode steps run as graph replays (the last one's waits are timed)
-        # Diagnostics for `infinigen bench --breakdown`: skip the row moves (compute only), refetch
-        # each layer's previous selection instead of selecting anew (what selecting costs, by
-        # difference), or keep each step's gathers to replay them alone (transfer only).
-        self.move_rows = True
-        self.select_rows = True
-        self.kept_gathers: list[tuple] | None = None
-        # Diagnostics for `infinigen eval`: called as probe(layer, query (B, H, 1, d)) at each decode
-        # attention of an offloaded layer.
-        self.decode_probe: Callable[[OffloadedLayer, torch.Tensor], None] | None = None
+        self.diagnostics = Diagnostics()
         install(model)
 
     @property
@@ -155,12 +167,12 @@ class InfinigenCache(Cache):
             and self.config.cuda_graphs
             and all(self._capturable(layer) for layer in self.offloaded)
             and all(layer.is_initialized and not layer.grows() for layer in self.layers)
-            and self.decode_probe is None
-            and self.kept_gathers is None
+            and self.diagnostics.decode_probe is None
+            and self.diagnostics.kept_gathers is None
         )
-        return (
-            (tuple(layer.capacity for layer in self.layers), self.move_rows, self.select_rows) if capturable else None
-        )
+        if not capturable:
+            return None
+        return tuple(layer.capacity for layer in self.layers), self.diagnostics.move_rows, self.diagnostics.select_rows
 
     def cached_tokens(self) -> torch.Tensor | int:
         """Tokens cached per batch row (``OffloadedLayer.cached_tokens``). In a capturable step every
@@ -246,9 +258,9 @@ class InfinigenCache(Cache):
 
     def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
-        if self.kept_gathers is not None:
-            self.kept_gathers.append((layer.pool, indices, count, out, destination))
-        return self._gather(layer, indices, count, out, destination) if self.move_rows else None
+        if self.diagnostics.kept_gathers is not None:
+            self.diagnostics.kept_gathers.append((layer.pool, indices, count, out, destination))
+        return self._gather(layer, indices, count, out, destination) if self.diagnostics.move_rows else None
 
     def aside(self, prefetch: Callable[[], Fetched], inputs: tuple[torch.Tensor, ...]) -> Fetched:
         """Run ``prefetch`` (a layer's selection and fetch) on the selection stream, after the compute
@@ -385,8 +397,8 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
     offloaded = isinstance(layer, OffloadedLayer)
     observes = offloaded and layer.policy.observes_attention
     if layer.attention_valid is not None:  # a decode step: the layer's validity is the mask
-        if offloaded and cache.decode_probe is not None:
-            cache.decode_probe(layer, query)
+        if offloaded and cache.diagnostics.decode_probe is not None:
+            cache.diagnostics.decode_probe(layer, query)
         out, probs = grouped_decode_attention(query, key, value, layer.attention_valid, scale, need_probs=observes)
         if observes:
             layer.policy.attended(layer, layer.attention_slots, probs.sum(dim=2))

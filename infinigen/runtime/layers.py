@@ -294,7 +294,7 @@ class OffloadedLayer(_Layer):
         self.fetched = self.runtime.aside(lambda: self._prefetched(hidden, norm, rope), (hidden, *(rope or ())))
 
     def _prefetched(self, hidden: torch.Tensor, norm: Norm, rope) -> Fetched:
-        if self.runtime.select_rows or self.last_selection is None:
+        if self.runtime.diagnostics.select_rows or self.last_selection is None:
             if self.selection_graph is None and self.runtime.captures(self):
                 self.selection_graph = SelectionGraph()
             if self.selection_graph is not None:
