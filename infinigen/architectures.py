@@ -66,10 +66,16 @@ def model_spec(config) -> ModelSpec:
     )
 
 
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The module that runs the decoder blocks of a causal-LM model of a supported family (and builds
+    their attention masks)."""
+    inner = model.model
+    return inner.decoder if model.config.model_type == "opt" else inner
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The list of decoder blocks of a causal-LM model of a supported family."""
-    inner = model.model
-    return inner.decoder.layers if model.config.model_type == "opt" else inner.layers
+    return decoder_stack(model).layers
 
 
 def attention_norm(layer: nn.Module) -> nn.Module:

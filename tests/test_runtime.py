@@ -230,14 +230,15 @@ def test_infinigen_needs_an_artifact():
         InfinigenCache(tiny_model("llama"), config=__import__("infinigen").RuntimeConfig())
 
 
-def test_plain_generate_still_works_after_install(tokenizer):
-    """The registered attention is plain SDPA for any other cache."""
+def test_plain_generate_still_works_beside_a_cache(tokenizer):
+    """A forward without the cache runs the model's own attention, also while the cache lives."""
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     ids = {"input_ids": torch.randint(3, 512, (1, 12))}
     before = greedy(model, ids)
     cache = cache_for(model, artifact)
     greedy(model, ids, cache)
-    assert model.config._attn_implementation == "infinigen"
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(greedy(model, ids), before)
     released = weakref.ref(cache)
     del cache
     gc.collect()
