@@ -165,6 +165,15 @@ def test_small_pool_evicts_and_stays_consistent(tokenizer, eviction, device):
     assert int(layer.fetch_count[:, :, :32].sum()) > 0
 
 
+def test_layers_define_every_attribute_at_construction(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    cache = cache_for(model, artifact, cpu_pool_gb=pool_gb(32), block_tokens=8, budget=0.5)  # evicts: all bookkeeping
+    before = [set(vars(layer)) for layer in cache.layers]
+    greedy(model, {"input_ids": torch.randint(3, 512, (1, 20))}, cache, new_tokens=20)
+    assert cache.summary()["evicted_tokens"] > 0
+    assert [set(vars(layer)) for layer in cache.layers] == before
+
+
 @pytest.mark.parametrize("bits", [4, 8, 16])
 def test_partial_key_cache_bits(tokenizer, bits, device):
     model, artifact = tiny_setup(tokenizer, "llama", device)

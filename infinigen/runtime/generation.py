@@ -40,6 +40,10 @@ class StepGraph:
         self.argument = cache_argument(model)
         self.signature: tuple | None = None  # the cache's step_signature the graph was captured at
         self.graph: torch.cuda.CUDAGraph | None = None
+        # the graph's static inputs (B, 1), refilled before each replay, and its output (B, vocab)
+        self.tokens: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
         self.stream = side_stream(cache.device, "capture") if cache.device.type == "cuda" else None
 
     @torch.no_grad()

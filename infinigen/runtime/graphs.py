@@ -35,6 +35,9 @@ class SelectionGraph:
         self.capacity = -1  # the layer capacity the graph was captured at
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[Selection, torch.Tensor] | None = None
+        # the graph's static inputs, refilled before each replay: hidden (B, hidden) and the rotary cos/sin
+        self.hidden: torch.Tensor | None = None
+        self.rope: tuple[torch.Tensor, ...] = ()
 
     def __call__(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: Norm, rope) -> tuple[Selection, torch.Tensor]:
         if layer.capacity != self.capacity:

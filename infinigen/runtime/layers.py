@@ -52,6 +52,7 @@ class DenseLayer(_Layer):
     def __init__(self, runtime) -> None:
         super().__init__()
         self.runtime = runtime  # the InfinigenCache: its ``slot``
+        self.valid: torch.Tensor | None = None  # (B, 1, capacity) bool: the slot holds a token (not padding)
         self.attention_valid: torch.Tensor | None = None  # (B, 1, capacity) for the current decode step
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -130,7 +131,19 @@ class OffloadedLayer(_Layer):
         self.index, self.policy, self.config, self.speculator = index, policy, config, speculator
         self.attention = attention  # the layer's attention module (the oracle computes its true query)
         self.runtime = runtime  # the InfinigenCache: shared stream, staging buffers, pool limit
+        # from the first update (``lazy_initialization``): the keys' device and dtype, the pool, and
+        # (B, kv_heads, capacity) bool: the slot holds a cached token (not padding, not unused)
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        self.pool: KVPool | None = None
+        self.valid: torch.Tensor | None = None
         self.max_tokens: int | None = None  # pool limit in tokens per (batch row, KV head); None: unlimited
+        # eviction bookkeeping, only for a limited pool, each (B, kv_heads, capacity): the step each slot
+        # was written (fifo, counter), last fetched (lru), and int32 its fetches since written (counter)
+        self.inserted: torch.Tensor | None = None
+        self.last_fetch: torch.Tensor | None = None
+        self.fetch_count: torch.Tensor | None = None
+        self.current_slots: torch.Tensor | None = None  # (B, kv_heads): the current decode token's slots
         self.used = 0  # slots in use (< length once the pool is full and evicts)
         self.step = 0
         self.fetched: Fetched | None = None
