@@ -51,6 +51,9 @@ def model_spec(config) -> ModelSpec:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED:
         raise InfinigenError(f"unsupported architecture {model_type!r}: supported are {', '.join(SUPPORTED)}")
+    if model_type == "opt" and not getattr(config, "do_layer_norm_before", True):
+        # their attention reads the un-normalised residual stream: the selections' inputs assume a norm
+        raise InfinigenError("OPT with post-norm layers (do_layer_norm_before=False, e.g. opt-350m) is not supported")
     n_heads = config.num_attention_heads
     hidden = config.hidden_size
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads

@@ -234,6 +234,11 @@ def test_row_reuse_attends_the_same_rows_and_moves_fewer(tokenizer, arch, policy
     assert 0 < after["bytes_host_to_device"] < before["bytes_host_to_device"]
 
 
+def test_post_norm_opt_is_refused_clearly():
+    with pytest.raises(InfinigenError, match=r"OPT with post-norm layers \(do_layer_norm_before=False"):
+        cache_for(tiny_model("opt", do_layer_norm_before=False), policy="full")
+
+
 def test_infinigen_needs_an_artifact():
     with pytest.raises(InfinigenError, match="needs an artifact"):
         InfinigenCache(tiny_model("llama"), config=__import__("infinigen").RuntimeConfig())
