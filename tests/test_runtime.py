@@ -207,6 +207,8 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"partial_key_bits": 2}, "partial_key_bits must be one of 4, 8, 16"),
         ({"dense_layers": 0}, "dense_layers must be at least 1"),
         ({"reuse_rows": True, "cpu_pool_gb": 1.0}, "reuse_rows needs an unlimited CPU pool"),
+        ({"gather_rows": 12}, "gather_rows must be a power of two"),
+        ({"gather_programs": 0}, "gather_programs must be >= 1"),
         ({"reuse_rows": True, "policy": "int4"}, "reuse_rows keeps decoded rows: not for 'int4'"),
     ],
 )

@@ -16,7 +16,7 @@ from infinigen.runtime import transfer
 from infinigen.runtime.pool import KVPool
 torch.manual_seed(0)
 B, H, D, bt = 2, 3, 16, 8
-pool = KVPool(B, H, D, torch.float32, torch.device("cpu"), block_tokens=bt)
+pool = KVPool(B, H, D, torch.float32, torch.device("cpu"), block_tokens=bt, gather_programs=4)
 rows = torch.randn(B, H, 30, 2, D)
 pool.write_range(0, rows)
 pool.block_table = torch.tensor([b.data_ptr() for b in pool.blocks], dtype=torch.int64)
@@ -56,7 +56,7 @@ print("ok")
 @pytest.mark.skipif(transfer.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernels")
 def test_triton_kernels_in_interpreter():
-    run_in_interpreter(CHECK, INFINIGEN_GATHER_PROGRAMS="4")
+    run_in_interpreter(CHECK)
 
 
 def test_torch_gather_and_scatter_across_blocks():

@@ -171,6 +171,8 @@ class OffloadedLayer(_Layer):
             self.dtype,
             self.device,
             block_tokens=self.config.block_tokens,
+            gather_rows=self.config.gather_rows,
+            gather_programs=self.config.gather_programs,
         )
         self.valid = torch.zeros(batch, kv_heads, 0, dtype=torch.bool, device=self.device)
         if self.max_tokens is not None:  # eviction bookkeeping, only for a limited pool

@@ -9,7 +9,6 @@ never round-trips to the host. Elsewhere the same operations run as PyTorch inde
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,8 +21,6 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch pat
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
-
-ROWS_PER_PROGRAM = int(os.environ.get("INFINIGEN_GATHER_ROWS", 16))  # rows per loop step
 
 
 def zero_copy_available(device: torch.device) -> bool:
@@ -140,12 +137,9 @@ if triton is not None:
 
 
 @functools.cache
-def gather_programs(device: torch.device) -> int:
-    """Programs of the persistent gather: half the SMs (best of 1/8 .. all on an H200, 8 x 16K
-    Llama-3-8B shape), unless INFINIGEN_GATHER_PROGRAMS says."""
-    override = os.environ.get("INFINIGEN_GATHER_PROGRAMS")
-    if override:
-        return int(override)
+def default_gather_programs(device: torch.device) -> int:
+    """Programs of the persistent gather unless the pool says: half the SMs (best of 1/8 .. all on an
+    H200, 8 x 16K Llama-3-8B shape)."""
     return max(8, torch.cuda.get_device_properties(device).multi_processor_count // 2)
 
 
@@ -155,10 +149,11 @@ def _launch_gather(
     batch, heads, k = indices.shape
     head_dim = out.shape[-1]
     row = 2 * head_dim
-    chunks_per_head = triton.cdiv(k, ROWS_PER_PROGRAM)
+    chunks_per_head = triton.cdiv(k, pool.gather_rows)
     n_chunks = batch * heads * chunks_per_head
     count = count.contiguous() if count is not None else None  # an expanded count has stride 0
-    _gather_kernel[(min(n_chunks, gather_programs(out.device)),)](
+    programs = pool.gather_programs or default_gather_programs(out.device)
+    _gather_kernel[(min(n_chunks, programs),)](
         pool.block_table,
         indices.contiguous(),
         count if count is not None else indices,
@@ -177,7 +172,7 @@ def _launch_gather(
         block_tokens=pool.block_tokens,
         head_dim=head_dim,
         row_pow2=triton.next_power_of_2(row),
-        rows_per_chunk=ROWS_PER_PROGRAM,
+        rows_per_chunk=pool.gather_rows,
     )
 
 
