@@ -79,6 +79,12 @@ def scatter_rows(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
 if triton is not None:
 
     @triton.jit
+    def _offset(row, row_stride, position, position_stride):
+        """row * row_stride + position * position_stride in 64 bits: program ids and integer arguments
+        are 32-bit, and a buffer past 2^31 elements would otherwise be addressed out of bounds."""
+        return row.to(tl.int64) * row_stride + position.to(tl.int64) * position_stride
+
+    @triton.jit
     def _gather_kernel(
         table,
         indices,
@@ -112,18 +118,19 @@ if triton is not None:
             at = (bh // kv_heads) * count_batch_stride + (bh % kv_heads) * count_head_stride
             limit = tl.minimum(tl.load(count + at), k) if has_count else k
             live = j < limit
-            token = tl.load(indices + bh * k + j, mask=live, other=0)
+            token = tl.load(indices + _offset(bh, k, j, 1), mask=live, other=0)
             base = tl.load(table + token // block_tokens, mask=live, other=0)
-            src = base.to(tl.pointer_type(out.dtype.element_ty)) + (bh * block_tokens + token % block_tokens) * row
+            pool_row = _offset(bh, block_tokens, token % block_tokens, 1)  # in the token's block
+            src = base.to(tl.pointer_type(out.dtype.element_ty)) + pool_row * row
             in_row = (col < row)[None, :]
             values = tl.load(src[:, None] + col[None, :], mask=live[:, None] & in_row, other=0)
             if has_destination:  # rows kept between steps (row reuse) stay: only moved rows are written
-                position = tl.load(destination + bh * k + j, mask=live, other=0)
+                position = tl.load(destination + _offset(bh, k, j, 1), mask=live, other=0)
                 written = live
             else:  # rows past the count are zeros: never-initialised memory must not reach attention
                 position = j
                 written = j < k
-            dst = out + bh * head_stride + position[:, None] * head_dim + dst_col[None, :]
+            dst = out + _offset(bh, head_stride, position[:, None], head_dim) + dst_col[None, :]
             tl.store(dst, values, mask=written[:, None] & in_row)
 
     @triton.jit
