@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from helpers import greedy, padded_batch, teacher_forced_argmax, tiny_setup
 
 from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
 from infinigen.runtime.buffers import store_slots
+from infinigen.runtime.config import PolicyName
 from infinigen.runtime.layers import OffloadedLayer
 from infinigen.runtime.policies.base import LayerView
 from infinigen.runtime.policies.h2o import H2OPolicy
@@ -26,6 +28,11 @@ def tiny_llama(request, tokenizer):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     return tiny_setup(tokenizer, "llama", request.param)
+
+
+def test_the_policy_names_of_the_config_are_the_registry():
+    assert sorted(get_args(PolicyName)) == sorted(POLICIES)
+    assert all(name == policy.name for name, policy in POLICIES.items())
 
 
 def fake_layer(n: int, batch: int = 1, kv_heads: int = 1, capacity: int | None = None) -> SimpleNamespace:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.config import PolicyName, RuntimeConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -110,7 +110,7 @@ class RowCodec(Protocol):
 class Policy:
     """Decides where KV lives and, per decode step and offloaded layer, which cached tokens to fetch."""
 
-    name: ClassVar[str]
+    name: ClassVar[PolicyName]
     offloads: ClassVar[bool] = True  # False: every layer keeps its whole KV on the compute device
     speculates: ClassVar[bool] = False  # True: needs the artifact and partial keys
     lookahead: ClassVar[bool] = True  # select one layer ahead (from the previous layer); False: at the layer
