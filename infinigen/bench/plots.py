@@ -17,7 +17,6 @@ def widest_sweep(rows: list[dict], fixed: str, swept: str):
     return max(values, key=lambda value: (len(values[value]), value))
 
 
-
 def plot_bench(report: dict, path: str | Path) -> Path:
     """Decode tokens/s vs context length and vs batch, one line per policy (and budget)."""
     plt = pyplot()
@@ -63,5 +62,3 @@ def plot_micro(report: dict, path: str | Path) -> Path:
     speculation.legend(fontsize=8)
     figure.suptitle(f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}")
     return save(figure, plt, path)
-
-

@@ -71,6 +71,7 @@ SHAPES: dict[str, dict] = {
     ),
 }
 
+
 def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
     if shape not in SHAPES:
         raise InfinigenError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
@@ -79,8 +80,6 @@ def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
-
-
 
 
 def random_artifact(model: PreTrainedModel, shape: str, ratio: float):

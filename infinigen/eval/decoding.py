@@ -114,5 +114,3 @@ def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, 
         position = position + 1
         tokens.append(step(tokens[-1], position).argmax(-1, keepdim=True))
     return torch.cat(tokens, dim=1)
-
-

@@ -63,5 +63,3 @@ def _needle_label(row: dict) -> str:
     if row["policy"] != "dense" and row.get("attention_lookahead_layers", 1) != 1:
         label += f", {row['attention_lookahead_layers']} layers after attention"
     return label
-
-
