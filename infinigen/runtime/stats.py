@@ -43,7 +43,10 @@ class LayerStats:
         moved, attended, cached = (_per_step(values, self.batch) for values in zip(*self.pending, strict=True))
         self.pending = []
         total = moved.sum()
-        self.moved = total if self.moved is None else self.moved + total
+        if self.moved is None:
+            self.moved = total
+        else:  # in place: no buffer is freed that another stream may still read
+            self.moved += total
         # a bulk fetch also moves a padded row's padding slots: it still fetched all of the row's KV
         self.fractions.append((attended / cached.clamp(min=1)).clamp(max=1).mean(dim=1))
 
