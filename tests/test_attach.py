@@ -4,6 +4,7 @@ other forward, nothing left on it once the last cache is closed or collected."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -40,15 +41,24 @@ def test_a_finished_cache_leaves_the_model_as_it_was(arch, ending):
     before = logits(model, IDS)
     assert model.config._attn_implementation == "eager" and traces(model) == []
     expected = greedy(model, {"input_ids": IDS}, DynamicCache())
-    with cache_for(model, policy="full", **EXACT) as cache:
+
+    def decode_with(cache) -> None:
         assert torch.equal(greedy(model, {"input_ids": IDS}, cache), expected)
         assert traces(model) != [] and model.config._attn_implementation == "eager"
-        if ending == "collected":
+
+    cache = cache_for(model, policy="full", **EXACT)
+    if ending == "with":
+        with cache:
+            decode_with(cache)
+    else:
+        decode_with(cache)
+        if ending == "close":
+            cache.close()
+        else:
+            released = weakref.ref(cache)
             del cache
             gc.collect()
-        elif ending == "close":
-            cache.close()
-            assert cache.closed
+            assert released() is None
     assert traces(model) == [] and model.config._attn_implementation == "eager"
     assert torch.equal(logits(model, IDS), before)
 
