@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from torch.nn.attention import sdpa_kernel
 
 from infinigen.bench.micro import device_ms
-from infinigen.runtime.cache import DENSE_BACKENDS
+from infinigen.runtime.attention import DENSE_BACKENDS
 from infinigen.runtime.decode_attention import split_decode_attention
 
 

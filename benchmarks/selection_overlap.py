@@ -52,7 +52,7 @@ def main(artifact: str, text: str, context: int, steps: int) -> None:
     ids = tokenizer(passage, return_tensors="pt").input_ids[:, 2000 : 2000 + context]  # past a book's front matter
     for label, settings in SETTINGS.items():
         cache = cache_for(model, **settings)
-        cache.decode_probe = probe = KeptRows()
+        cache.diagnostics.decode_probe = probe = KeptRows()
         with torch.no_grad():
             model.generate(
                 input_ids=ids,

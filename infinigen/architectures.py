@@ -52,6 +52,9 @@ def model_spec(config) -> ModelSpec:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED:
         raise InfinigenError(f"unsupported architecture {model_type!r}: supported are {', '.join(SUPPORTED)}")
+    if model_type == "opt" and not getattr(config, "do_layer_norm_before", True):
+        # their attention reads the un-normalised residual stream: the selections' inputs assume a norm
+        raise InfinigenError("OPT with post-norm layers (do_layer_norm_before=False, e.g. opt-350m) is not supported")
     n_heads = config.num_attention_heads
     hidden = config.hidden_size
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
@@ -67,10 +70,16 @@ def model_spec(config) -> ModelSpec:
     )
 
 
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The module that runs the decoder blocks of a causal-LM model of a supported family (and builds
+    their attention masks)."""
+    inner = model.model
+    return inner.decoder if model.config.model_type == "opt" else inner
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The list of decoder blocks of a causal-LM model of a supported family."""
-    inner = model.model
-    return inner.decoder.layers if model.config.model_type == "opt" else inner.layers
+    return decoder_stack(model).layers
 
 
 def attention_norm(layer: nn.Module) -> nn.Module:

@@ -51,8 +51,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>")
 
 
-def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """A 3-layer random model of ``arch``; GQA (4 query heads, 2 KV heads) for the RoPE families."""
+def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **settings):
+    """A 3-layer random model of ``arch``; GQA (4 query heads, 2 KV heads) for the RoPE families.
+    ``settings``: more config arguments (``attn_implementation="eager"``, ...)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB,
@@ -61,6 +62,7 @@ def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32):
         num_attention_heads=4,
         max_position_embeddings=512,
         pad_token_id=1,
+        **settings,
     )
     rope = dict(intermediate_size=128, num_key_value_heads=2)
     if arch == "opt":

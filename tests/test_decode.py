@@ -4,15 +4,18 @@ captured steps replay the eager ones exactly, across buffer growth."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
-from test_runtime import EXACT, EXACT_POLICIES, greedy, padded_batch, tiny_setup
+from helpers import EXACT, EXACT_POLICIES, greedy, padded_batch, tiny_setup
 from transformers import DynamicCache, TextStreamer
 
 import infinigen
+from infinigen import runtime
 from infinigen.errors import InfinigenError
 from infinigen.runtime import POLICIES, StepGraph, cache_argument, cache_for
-from infinigen.runtime.decode import prefill
+from infinigen.runtime.generation import prefill
 
 
 def prompts_batch(device, lengths=(9, 23, 16), seed: int = 0) -> dict[str, torch.Tensor]:
@@ -132,6 +135,15 @@ def test_decode_streams_and_stops_at_eos(tokenizer, device, capsys):
     )
     assert torch.equal(stopped[0], free[0, : int((free[0] == eos).nonzero()[0]) + 1])
     assert capsys.readouterr().out.split() == tokenizer.decode(stopped[0]).split()
+
+
+def test_lazy_names_are_not_shadowed_by_submodules():
+    """``infinigen.decode`` stays the function once the modules behind the lazy names are imported
+    (a submodule named ``decode`` would replace it: generate ignores a module as custom_generate)."""
+    modules = {name: importlib.import_module(path) for name, path in runtime._LAZY.items()}
+    for name, module in modules.items():
+        assert getattr(runtime, name) is getattr(module, name), name
+    assert infinigen.decode is modules["decode"].decode and callable(infinigen.decode)
 
 
 def test_decode_needs_an_infinigen_cache(tokenizer):

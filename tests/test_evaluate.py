@@ -6,7 +6,7 @@ import json
 import math
 
 import torch
-from test_runtime import EXACT, tiny_setup
+from helpers import EXACT, tiny_setup
 
 from infinigen.eval.decoding import dense_forward_nll, read_text, teacher_forced_nll
 from infinigen.eval.perplexity import perplexity

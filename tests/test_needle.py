@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_runtime import EXACT, tiny_setup
+from helpers import EXACT, tiny_setup
 
 from infinigen.errors import InfinigenError
 from infinigen.eval.decoding import greedy_after

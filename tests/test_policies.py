@@ -5,20 +5,22 @@ from __future__ import annotations
 import gc
 import math
 from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 import torch
 from conftest import DEVICES, run_in_interpreter
-from test_runtime import greedy, padded_batch, teacher_forced_argmax, tiny_setup
+from helpers import greedy, padded_batch, teacher_forced_argmax, tiny_setup
 
 from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
 from infinigen.runtime.buffers import store_slots
+from infinigen.runtime.config import PolicyName
 from infinigen.runtime.layers import OffloadedLayer
+from infinigen.runtime.policies.base import LayerView
 from infinigen.runtime.policies.h2o import H2OPolicy
-from infinigen.runtime.policies.infinigen import group_scores
 from infinigen.runtime.policies.int4 import GroupQuantizer
 from infinigen.runtime.policies.quest import PAGE, QuestPolicy
-from infinigen.runtime.scoring import LEVELS, code_values, quantize_rows
+from infinigen.runtime.scoring import LEVELS, code_values, group_scores, quantize_rows
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -26,6 +28,11 @@ def tiny_llama(request, tokenizer):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     return tiny_setup(tokenizer, "llama", request.param)
+
+
+def test_the_policy_names_of_the_config_are_the_registry():
+    assert sorted(get_args(PolicyName)) == sorted(POLICIES)
+    assert all(name == policy.name for name, policy in POLICIES.items())
 
 
 def fake_layer(n: int, batch: int = 1, kv_heads: int = 1, capacity: int | None = None) -> SimpleNamespace:
@@ -37,7 +44,7 @@ def fake_layer(n: int, batch: int = 1, kv_heads: int = 1, capacity: int | None =
         used=n,
         capacity=capacity,
         valid=slots[:capacity].expand(batch, kv_heads, capacity) < n,
-        runtime=SimpleNamespace(all_slots=lambda k: slots[:k]),
+        all_slots=lambda k: slots[:k],
     )
     layer.device_used = lambda: torch.tensor([layer.used])
     return layer
@@ -121,8 +128,7 @@ def tile_maxima(scores: torch.Tensor) -> torch.Tensor:
 FUSED_SCORES_CHECK = r"""
 import torch
 from test_policies import tile_maxima
-from infinigen.runtime.policies.infinigen import group_scores
-from infinigen.runtime.scoring import fused_group_scores, quantize_rows
+from infinigen.runtime.scoring import fused_group_scores, group_scores, quantize_rows
 g = torch.Generator().manual_seed(0)
 B, kv, G, cap, n, c = 2, 3, 4, 300, 257, 40
 keys = torch.randn(B, kv, cap, c, generator=g)
@@ -299,6 +305,32 @@ def test_every_policy_decodes_within_its_budget(tiny_llama, policy):
     assert 0 < fraction <= (0.25 + PAGE / 64 if POLICIES[policy].budgeted else 1.0)
     codec = POLICIES[policy].codec
     assert stats["fraction_bytes"] == pytest.approx(fraction * (codec.bits_per_value / 16 if codec else 1), abs=1e-3)
+
+
+class NarrowView:
+    """A layer as ``LayerView`` shows it: reading anything else fails."""
+
+    members = frozenset(name for name in dir(LayerView) if not name.startswith("_"))
+
+    def __init__(self, layer: OffloadedLayer) -> None:
+        self.layer = layer
+
+    def __getattr__(self, name: str):
+        if name not in self.members:
+            raise AttributeError(f"a policy read layer.{name}, which LayerView does not offer")
+        return getattr(self.layer, name)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_policies_read_their_layer_through_the_layer_view_only(tiny_llama, policy, monkeypatch):
+    model, artifact = tiny_llama
+    cache = cache_for(model, artifact, policy=policy, budget=0.3)
+    for layer in cache.offloaded:
+        for method in ("select", "stored", "attended"):
+            real = getattr(layer.policy, method)
+            monkeypatch.setattr(layer.policy, method, lambda layer, *args, real=real: real(NarrowView(layer), *args))
+    inputs = {"input_ids": torch.randint(3, 512, (2, 30), generator=torch.Generator().manual_seed(7))}
+    assert greedy(model, {k: v.to(model.device) for k, v in inputs.items()}, cache, new_tokens=4).shape == (2, 4)
 
 
 @pytest.mark.parametrize(("policy", "agreement"), [("int4", 0.9), ("int2", 0.5)])

@@ -113,7 +113,7 @@ for step in range(8):
             assert torch.equal(got.missing[b, h, :n], want.missing[b, h, :n]), (step, b, h)
             assert torch.equal(got.destination[b, h, :n], want.destination[b, h, :n]), (step, b, h)
 # the gather with a destination writes the moved rows there and nothing else
-pool = KVPool(3, 4, 2, torch.float32, torch.device("cpu"), block_tokens=16)
+pool = KVPool(3, 4, 2, torch.float32, torch.device("cpu"), block_tokens=16, gather_programs=4)
 rows = torch.randn(3, 4, 60, 2, 2)
 pool.write_range(0, rows)
 pool.block_table = torch.tensor([b.data_ptr() for b in pool.blocks], dtype=torch.int64)
@@ -135,4 +135,4 @@ print("ok")
 @pytest.mark.skipif(reuse.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernels")
 def test_placement_kernel_in_interpreter():
-    run_in_interpreter(KERNEL, INFINIGEN_GATHER_PROGRAMS="4")
+    run_in_interpreter(KERNEL)

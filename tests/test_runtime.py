@@ -9,40 +9,14 @@ import weakref
 import pytest
 import torch
 from conftest import tiny_model
+from helpers import EXACT, EXACT_POLICIES, greedy, padded_batch, teacher_forced_argmax, tiny_setup
 from transformers import DynamicCache
 
 from infinigen.architectures import decoder_layers, mlp_norm
 from infinigen.errors import InfinigenError
-from infinigen.models import LoadedModel, ModelSource
-from infinigen.prepare import prepare_artifact
 from infinigen.runtime import InfinigenCache, cache_argument, cache_for
 from infinigen.runtime.layers import OffloadedLayer
 from infinigen.runtime.scoring import LEVELS, code_values
-
-EXACT = dict(budget=1.0, alpha=1e9)
-
-
-def padded_batch(prompts: list[list[int]], pad: int, device) -> dict[str, torch.Tensor]:
-    """Left-padded input_ids and attention_mask."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    return {"input_ids": ids, "attention_mask": mask}
-
-
-def greedy(model, inputs, cache=None, new_tokens: int = 12) -> torch.Tensor:
-    kwargs = {cache_argument(model): cache} if cache is not None else {}
-    out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, pad_token_id=1, **kwargs)
-    return out[:, inputs["input_ids"].shape[1] :]
-
-
-def tiny_setup(tokenizer, arch: str, device: str):
-    model = tiny_model(arch).to(device)
-    artifact = prepare_artifact(LoadedModel(model, tokenizer, ModelSource(arch, None, "local")), tokens=128)
-    return model, artifact
-
-
-EXACT_POLICIES = ["full", "infinigen", "quest", "oracle"]  # lossless at budget 1 (h2o keeps a prompt-sized cache)
 
 
 @pytest.mark.parametrize("policy", EXACT_POLICIES)
@@ -129,16 +103,6 @@ def test_full_budget_is_exact_smollm2(smollm2_on, policy, device):
     assert torch.equal(greedy(model, inputs, cache_for(model, artifact, policy=policy, **EXACT), 16), expected)
 
 
-def teacher_forced_argmax(model, ids: torch.Tensor, prefix: int, cache) -> torch.Tensor:
-    """Prefill ids[:, :prefix], then feed the true tokens one by one; next-token argmax at each step."""
-    name = cache_argument(model)
-    with torch.no_grad():
-        logits = [model(ids[:, :prefix], **{name: cache}).logits[:, -1]]
-        for t in range(prefix, ids.shape[1] - 1):
-            logits.append(model(ids[:, t : t + 1], **{name: cache}).logits[:, -1])
-    return torch.stack(logits, dim=1).argmax(-1)
-
-
 @pytest.mark.parametrize(
     ("settings", "min_agreement"),
     [({}, 0.75), ({"budget": 0.3, "alpha": 1e9}, 0.9)],  # seen on CPU: 0.79 at 11% fetched; 0.93 at 30%
@@ -201,6 +165,15 @@ def test_small_pool_evicts_and_stays_consistent(tokenizer, eviction, device):
     assert int(layer.fetch_count[:, :, :32].sum()) > 0
 
 
+def test_layers_define_every_attribute_at_construction(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    cache = cache_for(model, artifact, cpu_pool_gb=pool_gb(32), block_tokens=8, budget=0.5)  # evicts: all bookkeeping
+    before = [set(vars(layer)) for layer in cache.layers]
+    greedy(model, {"input_ids": torch.randint(3, 512, (1, 20))}, cache, new_tokens=20)
+    assert cache.summary()["evicted_tokens"] > 0
+    assert [set(vars(layer)) for layer in cache.layers] == before
+
+
 @pytest.mark.parametrize("bits", [4, 8, 16])
 def test_partial_key_cache_bits(tokenizer, bits, device):
     model, artifact = tiny_setup(tokenizer, "llama", device)
@@ -231,9 +204,11 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"eviction": "random"}, "eviction must be one of"),
         ({"lookahead_from": "output"}, "lookahead_from must be one of"),
         ({"attention_lookahead_layers": -1}, "attention_lookahead_layers must be >= 0"),
-        ({"partial_key_bits": 2}, "partial_key_bits must be 4, 8 or 16"),
+        ({"partial_key_bits": 2}, "partial_key_bits must be one of 4, 8, 16"),
         ({"dense_layers": 0}, "dense_layers must be at least 1"),
         ({"reuse_rows": True, "cpu_pool_gb": 1.0}, "reuse_rows needs an unlimited CPU pool"),
+        ({"gather_rows": 12}, "gather_rows must be a power of two"),
+        ({"gather_programs": 0}, "gather_programs must be >= 1"),
         ({"reuse_rows": True, "policy": "int4"}, "reuse_rows keeps decoded rows: not for 'int4'"),
     ],
 )
@@ -261,19 +236,25 @@ def test_row_reuse_attends_the_same_rows_and_moves_fewer(tokenizer, arch, policy
     assert 0 < after["bytes_host_to_device"] < before["bytes_host_to_device"]
 
 
+def test_post_norm_opt_is_refused_clearly():
+    with pytest.raises(InfinigenError, match=r"OPT with post-norm layers \(do_layer_norm_before=False"):
+        cache_for(tiny_model("opt", do_layer_norm_before=False), policy="full")
+
+
 def test_infinigen_needs_an_artifact():
     with pytest.raises(InfinigenError, match="needs an artifact"):
         InfinigenCache(tiny_model("llama"), config=__import__("infinigen").RuntimeConfig())
 
 
-def test_plain_generate_still_works_after_install(tokenizer):
-    """The registered attention is plain SDPA for any other cache."""
+def test_plain_generate_still_works_beside_a_cache(tokenizer):
+    """A forward without the cache runs the model's own attention, also while the cache lives."""
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     ids = {"input_ids": torch.randint(3, 512, (1, 12))}
     before = greedy(model, ids)
     cache = cache_for(model, artifact)
     greedy(model, ids, cache)
-    assert model.config._attn_implementation == "infinigen"
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(greedy(model, ids), before)
     released = weakref.ref(cache)
     del cache
     gc.collect()
@@ -389,7 +370,7 @@ def test_without_selection_refetches_the_previous_selection(tokenizer, device, m
         model(ids[:, 40:41], **{name: cache})
         before = [selection.indices.clone() for selection in fetched]
         fetched.clear()
-        cache.select_rows = False
+        cache.diagnostics.select_rows = False
         for layer in cache.offloaded:
             monkeypatch.setattr(layer, "select", None)  # a selection would fail
         model(ids[:, 41:], **{name: cache})

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from test_runtime import EXACT, tiny_setup
+from helpers import EXACT, tiny_setup
 
 from infinigen.errors import InfinigenError
 from infinigen.eval.decoding import continuation_logprobs

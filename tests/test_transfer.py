@@ -16,7 +16,7 @@ from infinigen.runtime import transfer
 from infinigen.runtime.pool import KVPool
 torch.manual_seed(0)
 B, H, D, bt = 2, 3, 16, 8
-pool = KVPool(B, H, D, torch.float32, torch.device("cpu"), block_tokens=bt)
+pool = KVPool(B, H, D, torch.float32, torch.device("cpu"), block_tokens=bt, gather_programs=4)
 rows = torch.randn(B, H, 30, 2, D)
 pool.write_range(0, rows)
 pool.block_table = torch.tensor([b.data_ptr() for b in pool.blocks], dtype=torch.int64)
@@ -56,7 +56,35 @@ print("ok")
 @pytest.mark.skipif(transfer.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernels")
 def test_triton_kernels_in_interpreter():
-    run_in_interpreter(CHECK, INFINIGEN_GATHER_PROGRAMS="4")
+    run_in_interpreter(CHECK)
+
+
+OFFSETS = r"""
+import torch
+import triton
+import triton.language as tl
+from infinigen.runtime import transfer
+
+@triton.jit
+def offsets(out, first_row, row_stride, position_stride):
+    row = first_row + tl.program_id(0)  # 32-bit, as the gather's (batch * head) index
+    position = tl.arange(0, 4)
+    tl.store(out + tl.program_id(0) * 4 + position, transfer._offset(row, row_stride, position, position_stride))
+
+out = torch.zeros(2, 4, dtype=torch.int64)
+offsets[(2,)](out, 3, 2**30, 2**20)  # every product fits in 32 bits, their sums past 2^31 do not
+rows = torch.tensor([3, 4])[:, None]
+assert torch.equal(out, rows * 2**30 + torch.arange(4) * 2**20), out
+print("ok")
+"""
+
+
+@pytest.mark.skipif(transfer.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernels")
+def test_gather_offsets_past_two_to_the_31_do_not_wrap():
+    """A staging buffer of more than 2^31 elements (a large batch at a long context) is addressed
+    with 64-bit offsets (the kernel's arithmetic is checked here, without such a buffer)."""
+    run_in_interpreter(OFFSETS)
 
 
 def test_torch_gather_and_scatter_across_blocks():

@@ -287,13 +287,14 @@ def breakdown(
     decoder = Decoder(model, cache, case, text_ids)
     decoder.prefill_seconds()
     full_step = decoder.step_seconds() * 1e3
-    cache.select_rows = False
+    diagnostics = cache.diagnostics
+    diagnostics.select_rows = False
     without_selection = decoder.step_seconds() * 1e3
-    cache.select_rows, cache.move_rows = True, False
+    diagnostics.select_rows, diagnostics.move_rows = True, False
     compute_only = decoder.step_seconds() * 1e3
-    cache.move_rows, cache.kept_gathers = True, []
+    diagnostics.move_rows, diagnostics.kept_gathers = True, []
     decoder.forward(decoder.token)
-    gathers, cache.kept_gathers = cache.kept_gathers, None
+    gathers, diagnostics.kept_gathers = diagnostics.kept_gathers, None
     _sync(device)
     start = time.perf_counter()
     for pool, indices, count, out, destination in gathers:

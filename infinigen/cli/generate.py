@@ -47,7 +47,7 @@ def generate(
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
     from infinigen.runtime import RuntimeConfig, cache_for
-    from infinigen.runtime.text_generation import Sampling, generate_text
+    from infinigen.runtime.generation import Sampling, generate_text
 
     prompts = _prompts(prompt, prompt_file, batch_file)
     config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
@@ -64,17 +64,17 @@ def generate(
             tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
             for p in prompts
         ]
-    cache = cache_for(loaded.model, checked, **vars(config))
-    texts, stats = generate_text(
-        loaded.model,
-        tokenizer,
-        prompts,
-        cache,
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        prefill_chunk=prefill_chunk,
-        stream=not as_json,
-    )
+    with cache_for(loaded.model, checked, **vars(config)) as cache:
+        texts, stats = generate_text(
+            loaded.model,
+            tokenizer,
+            prompts,
+            cache,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            prefill_chunk=prefill_chunk,
+            stream=not as_json,
+        )
     if printed_json({"outputs": texts, "stats": stats}, as_json):
         return
     if len(prompts) > 1:

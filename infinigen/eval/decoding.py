@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.errors import InfinigenError
 from infinigen.runtime import StepGraph
-from infinigen.runtime.decode import prefill
+from infinigen.runtime.generation import prefill
 
 GUTENBERG = re.compile(r"\*\*\* ?START OF.*?\*\*\*(.*)\*\*\* ?END OF", re.S)
 

@@ -57,7 +57,7 @@ def perplexity(
         if pool_fraction is not None:
             settings |= pool_settings(model, settings, int(pool_fraction * ids.shape[1]), chunk.shape[0])
         cache = cache_for(model, artifact, **settings)
-        cache.decode_probe = probe
+        cache.diagnostics.decode_probe = probe
         nll.append(teacher_forced_nll(model, cache, chunk, prefix, on_step=on_step).cpu())
         summary = cache.summary()
         fractions.append(summary["fraction_fetched"])

@@ -1,6 +1,6 @@
 """Selection recall: how many of the tokens a policy fetched are the exact top-k by the true logits.
 
-Attached to a cache as its ``decode_probe``; at each decode attention of an offloaded layer it
+Attached to a cache as its ``diagnostics.decode_probe``; at each decode attention of an offloaded layer it
 scores every cached key with the layer's true query (the oracle's rule: a KV head's token scores
 by its query group's best logit) and counts the fetched tokens that are among the k best, k being
 the number the policy fetched for that head. Accuracy diagnostics only: it reads the whole pool.
@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from infinigen.runtime.layers import OffloadedLayer
-from infinigen.runtime.policies.infinigen import group_scores
+from infinigen.runtime.scoring import group_scores
 
 
 class RecallProbe:

@@ -5,10 +5,13 @@ Reads artifacts (``infinigen.artifacts``); never imports ``prepare`` nor its cli
 name that needs them (``RuntimeConfig`` needs neither).
 
     model, tokenizer = infinigen.load("smollm2-135m", artifact="skewed/")
-    cache = infinigen.cache_for(model, budget=0.2)
-    model.generate(**tokenizer(text, return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
-    # or with each decode step replayed as one CUDA graph:
-    model.generate(..., past_key_values=cache, custom_generate=infinigen.decode)
+    with infinigen.cache_for(model, budget=0.2) as cache:
+        model.generate(**tokenizer(text, return_tensors="pt"), past_key_values=cache, max_new_tokens=64)
+        # or with each decode step replayed as one CUDA graph:
+        model.generate(..., past_key_values=cache, custom_generate=infinigen.decode)
+
+A cache connects itself to the model while it lives (until ``close()``, the end of the ``with``
+block, or its collection); other forwards of the model run as before.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "InfinigenCache": "infinigen.runtime.cache",
-    "StepGraph": "infinigen.runtime.decode",
-    "cache_argument": "infinigen.runtime.decode",
-    "decode": "infinigen.runtime.decode",
+    "StepGraph": "infinigen.runtime.generation",
+    "cache_argument": "infinigen.runtime.generation",
+    "decode": "infinigen.runtime.generation",
     "POLICIES": "infinigen.runtime.policies",
 }
 
@@ -64,7 +67,8 @@ def cache_for(
     artifact: Artifact | str | Path | None = None,
     **settings,
 ) -> InfinigenCache:
-    """A fresh cache for one ``model.generate`` call. ``settings`` are ``RuntimeConfig`` fields
+    """A fresh cache for one ``model.generate`` call, connected to ``model`` until it is closed
+    (``close()``, or as a context manager) or collected. ``settings`` are ``RuntimeConfig`` fields
     (policy, budget, alpha, min_tokens, dense_layers, cpu_pool_gb, eviction, block_tokens,
     reuse_rows, ...); None stands for a field's default."""
     from infinigen.artifacts import open_artifact

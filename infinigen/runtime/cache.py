@@ -1,43 +1,51 @@
-"""``InfinigenCache``: a transformers ``Cache`` whose offloaded layers keep KV in CPU memory, plus the
-public extension points that connect it to a model:
+"""``InfinigenCache``: a transformers ``Cache`` whose offloaded layers keep KV in CPU memory: its
+layers, the transfers of their rows, the decode steps' bookkeeping, the summary of a run.
 
-- a registered attention function (``AttentionInterface``) that attends over a decode step's
-  fetched rows with their per-head validity mask, and is plain SDPA for anything else;
-- a forward pre-hook on each decoder layer: it finds the cache of the running forward (and the
-  rotary cos/sin) and, during decode, starts the next layer's selection and prefetch.
-
-The hooks are installed once per model and act only when an ``InfinigenCache`` is passed in.
+A cache connects itself to its model when made (``infinigen.runtime.hooks``: forward hooks, and the
+attention of ``infinigen.runtime.attention`` for the forwards given the cache) and disconnects when
+closed (``close``, or the end of a ``with`` block) or collected: the model is left as it was.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from torch import nn
-from torch.nn import functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from infinigen.architectures import Norm, attention_norm, decoder_layers, mlp_norm, model_spec, one_kernel_norm
+from infinigen.architectures import decoder_layers, model_spec
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.runtime import decode_attention
 from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.hooks import attach
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_tokens
 from infinigen.runtime.policies import Selection, make_policy
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
 from infinigen.runtime.streams import side_stream
 
-ATTENTION = "infinigen"
-# SDPA backends for every attention we run: cuDNN's builds a plan per new KV length (~1 ms of host
-# time per call on an H200, so once per layer and decode step).
-DENSE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+@dataclass
+class Diagnostics:
+    """Switches and probes of ``infinigen bench --breakdown`` and ``infinigen eval --recall``; the
+    defaults change nothing.
+
+    - ``move_rows`` False: skip the row moves (a step's compute alone);
+    - ``select_rows`` False: each layer refetches its previous selection instead of selecting anew
+      (what selecting costs, by difference);
+    - ``kept_gathers`` a list: each gather's arguments are appended, to replay them alone (transfer only);
+    - ``decode_probe``: called as probe(layer, query (B, H, 1, d)) at each decode attention of an
+      offloaded layer.
+    """
+
+    move_rows: bool = True
+    select_rows: bool = True
+    kept_gathers: list[tuple] | None = None
+    decode_probe: Callable[[OffloadedLayer, torch.Tensor], None] | None = None
 
 
 class InfinigenCache(Cache):
@@ -81,16 +89,29 @@ class InfinigenCache(Cache):
         self.driven = False  # a StepGraph runs the decode steps (and begins each one itself)
         self.capturing = False  # a decode step is being captured: no host work that a replay would skip
         self.replayed_steps = 0  # decode steps run as graph replays (the last one's waits are timed)
-        # Diagnostics for `infinigen bench --breakdown`: skip the row moves (compute only), refetch
-        # each layer's previous selection instead of selecting anew (what selecting costs, by
-        # difference), or keep each step's gathers to replay them alone (transfer only).
-        self.move_rows = True
-        self.select_rows = True
-        self.kept_gathers: list[tuple] | None = None
-        # Diagnostics for `infinigen eval`: called as probe(layer, query (B, H, 1, d)) at each decode
-        # attention of an offloaded layer.
-        self.decode_probe: Callable[[OffloadedLayer, torch.Tensor], None] | None = None
-        install(model)
+        self.diagnostics = Diagnostics()
+        # last: a cache that failed to initialise leaves nothing on the model
+        self._detach = weakref.finalize(self, attach(model, self))
+
+    def close(self) -> None:
+        """Disconnect from the model (also done when the cache is collected): its hooks go with the
+        model's last cache, and no forward can use this one any more. The summary stays readable."""
+        self._detach()
+
+    @property
+    def closed(self) -> bool:
+        return not self._detach.alive
+
+    def __enter__(self) -> InfinigenCache:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.closed:
+            raise InfinigenError("this cache is closed: make a new one with infinigen.cache_for(model)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def offloaded(self) -> list[OffloadedLayer]:
@@ -155,12 +176,12 @@ class InfinigenCache(Cache):
             and self.config.cuda_graphs
             and all(self._capturable(layer) for layer in self.offloaded)
             and all(layer.is_initialized and not layer.grows() for layer in self.layers)
-            and self.decode_probe is None
-            and self.kept_gathers is None
+            and self.diagnostics.decode_probe is None
+            and self.diagnostics.kept_gathers is None
         )
-        return (
-            (tuple(layer.capacity for layer in self.layers), self.move_rows, self.select_rows) if capturable else None
-        )
+        if not capturable:
+            return None
+        return tuple(layer.capacity for layer in self.layers), self.diagnostics.move_rows, self.diagnostics.select_rows
 
     def cached_tokens(self) -> torch.Tensor | int:
         """Tokens cached per batch row (``OffloadedLayer.cached_tokens``). In a capturable step every
@@ -246,9 +267,9 @@ class InfinigenCache(Cache):
 
     def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
-        if self.kept_gathers is not None:
-            self.kept_gathers.append((layer.pool, indices, count, out, destination))
-        return self._gather(layer, indices, count, out, destination) if self.move_rows else None
+        if self.diagnostics.kept_gathers is not None:
+            self.diagnostics.kept_gathers.append((layer.pool, indices, count, out, destination))
+        return self._gather(layer, indices, count, out, destination) if self.diagnostics.move_rows else None
 
     def aside(self, prefetch: Callable[[], Fetched], inputs: tuple[torch.Tensor, ...]) -> Fetched:
         """Run ``prefetch`` (a layer's selection and fetch) on the selection stream, after the compute
@@ -321,167 +342,3 @@ class InfinigenCache(Cache):
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
         summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
         return {"policy": self.policy.name, **summary, "replayed_steps": self.replayed_steps}
-
-
-# --- attention and hooks -----------------------------------------------------------------------
-
-
-def grouped_decode_attention(query, keys, values, valid, scaling, need_probs: bool = False):
-    """One query token over gathered rows. query (B, H, 1, d); keys/values (B, kv_heads, S, d);
-    valid (B, kv_heads or 1, S). Grouped-query heads share their KV head's rows (no repeat): each KV
-    head's group of queries is one short query sequence. Returns the output (B, 1, H, d), as
-    transformers' attention functions do, and, if ``need_probs``, the attention probabilities
-    (B, kv_heads, G, S) (else None)."""
-    batch, heads, _, head_dim = query.shape
-    kv_heads = keys.shape[1]
-    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
-    if not need_probs and decode_attention.available(query.device):  # split-KV kernel
-        out = decode_attention.split_decode_attention(grouped, keys, values, valid, scaling)
-        return out.reshape(batch, 1, heads, head_dim), None
-    if not need_probs:  # one fused kernel
-        with sdpa_kernel(DENSE_BACKENDS):
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, :, None, :], scale=scaling)
-        return out.reshape(batch, 1, heads, head_dim), None
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling  # (B, kv_heads, G, S)
-    probs = scores.masked_fill(~valid[:, :, None, :], -math.inf).softmax(dim=-1)
-    out = torch.matmul(probs.to(values.dtype), values)  # (B, kv_heads, G, d)
-    return out.reshape(batch, 1, heads, head_dim), probs
-
-
-def attention_mass(query, keys, mask, scaling, chunk: int = 256) -> torch.Tensor:
-    """Attention probability each key receives in a multi-token step, summed over the queries and each
-    KV head's group. query (B, H, T, d); keys (B, kv_heads, S, d); mask (B, 1, T, S) bool, or None
-    for plain causal. Returns (B, kv_heads, S) float32; queries in chunks bound the memory."""
-    batch, heads, length, head_dim = query.shape
-    kv_heads, total = keys.shape[1], keys.shape[2]
-    grouped = query.view(batch, kv_heads, heads // kv_heads, length, head_dim)
-    key_columns = keys[:, :, None].transpose(-1, -2)  # (B, kv_heads, 1, d, S)
-    mass = torch.zeros(batch, kv_heads, total, dtype=torch.float32, device=query.device)
-    for start in range(0, length, chunk):
-        stop = min(start + chunk, length)
-        scores = torch.matmul(grouped[:, :, :, start:stop], key_columns).float() * scaling  # (B, kv, G, c, S)
-        if mask is not None:
-            allowed = mask[:, :, None, start:stop]
-        else:
-            positions = torch.arange(start, stop, device=query.device) + total - length
-            allowed = torch.arange(total, device=query.device) <= positions[:, None]
-        probs = scores.masked_fill(~allowed, -math.inf).softmax(dim=-1).nan_to_num(0.0)  # padding rows: 0
-        mass += probs.sum(dim=(2, 3))
-    return mass
-
-
-def dense_attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention, on ``DENSE_BACKENDS``."""
-    with sdpa_kernel(DENSE_BACKENDS):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def infinigen_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    cache = getattr(module, "_infinigen_cache", None)
-    if cache is None:
-        return dense_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    layer = cache.layers[module.layer_idx]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    offloaded = isinstance(layer, OffloadedLayer)
-    observes = offloaded and layer.policy.observes_attention
-    if layer.attention_valid is not None:  # a decode step: the layer's validity is the mask
-        if offloaded and cache.decode_probe is not None:
-            cache.decode_probe(layer, query)
-        out, probs = grouped_decode_attention(query, key, value, layer.attention_valid, scale, need_probs=observes)
-        if observes:
-            layer.policy.attended(layer, layer.attention_slots, probs.sum(dim=2))
-        return out, None
-    mask = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
-    if mask is not None:
-        layer.mark_padding(mask[:, 0, -1, -query.shape[2] :])
-    if observes:
-        layer.policy.attended(layer, None, attention_mass(query, key, mask, scale))
-    return dense_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-
-AttentionInterface.register(ATTENTION, infinigen_attention)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-
-
-def install(model: PreTrainedModel) -> None:
-    """Connect ``model`` to InfinigenCache (idempotent): attention function and decoder-layer hooks."""
-    if model.config._attn_implementation != ATTENTION:
-        model.set_attn_implementation(ATTENTION)
-    if getattr(model, "_infinigen_installed", False):
-        return
-    blocks = decoder_layers(model)
-    norms = [one_kernel_norm(attention_norm(block)) for block in blocks]  # for the selections' inputs
-    for j, block in enumerate(blocks):
-        block.register_forward_pre_hook(_step_hook(j, norms), with_kwargs=True)
-        mlp_norm(block).register_forward_pre_hook(_after_attention_hook(j, norms, block.self_attn))
-        block.register_forward_hook(_unbind, always_call=True)  # also when the layer raised (out of memory)
-    model._infinigen_installed = True
-
-
-def _unbind(block: nn.Module, args, output) -> None:
-    """After a decoder layer, or its exception: drop its reference to the cache, so that a finished
-    or failed cache (and its GPU buffers) is freed as soon as the caller lets go of it."""
-    block.self_attn._infinigen_cache = None
-
-
-def _prefetch(cache: InfinigenCache, targets: list[int], hidden: torch.Tensor, norms: list[Norm]) -> None:
-    """Start the selection and fetch of the ``targets`` layers from ``hidden`` (B, 1, hidden), each
-    normalised with its target's own attention norm."""
-    for target in targets:
-        layer = cache.layers[target] if target < len(norms) else None
-        if isinstance(layer, OffloadedLayer) and layer.is_initialized:
-            layer.prefetch(hidden[:, 0], norms[target], cache.rope)
-
-
-def _reads_input(cache: InfinigenCache, layer: int) -> bool:
-    """Whether ``layer``'s one-layer-ahead selection reads the residual stream entering the previous
-    layer; if not, the residual after the previous layer's attention (``lookahead_from ==
-    "attention"``, and the first ``attention_lookahead_layers`` offloaded layers)."""
-    first_offloaded = cache.spec.n_layers - cache.n_offloaded
-    config = cache.config
-    return config.lookahead_from == "input" and layer >= first_offloaded + config.attention_lookahead_layers
-
-
-def _step_hook(j: int, norms: list[Norm]):
-    """Before decoder layer j: bind the running cache to its attention, and during decode start the
-    selection and prefetch of layer j+1 from the residual stream entering layer j (where
-    ``_reads_input``), of layer j itself for policies that select at their own layer, and of layer 0
-    (no previous layer) from its own input.
-    """
-
-    def hook(block: nn.Module, args, kwargs):
-        cache = kwargs.get("past_key_values", kwargs.get("cache"))
-        cache = cache if isinstance(cache, InfinigenCache) else None
-        block.self_attn._infinigen_cache = cache
-        if cache is None:
-            return
-        hidden = args[0] if args else kwargs["hidden_states"]  # (B, q_len, hidden)
-        if j == 0:
-            cache.rope = kwargs.get("position_embeddings")
-            cache.decoding = hidden.shape[1] == 1
-            if cache.decoding and not cache.driven:
-                cache.begin_decode_step()
-        if not cache.decoding:  # prefill: nothing to select
-            return
-        if not cache.policy.lookahead:
-            _prefetch(cache, [j], hidden, norms)
-            return
-        targets = [0] if j == 0 else []
-        targets += [j + 1] if _reads_input(cache, j + 1) else []
-        _prefetch(cache, targets, hidden, norms)
-
-    return hook
-
-
-def _after_attention_hook(j: int, norms: list[Norm], attention: nn.Module):
-    """Before decoder layer j's MLP norm, i.e. on the residual stream after its attention: the
-    selection and prefetch of layer j+1 where it does not read layer j's input."""
-
-    def hook(norm: nn.Module, args) -> None:
-        cache = getattr(attention, "_infinigen_cache", None)
-        if cache is None or not cache.decoding or not cache.policy.lookahead:
-            return
-        if not _reads_input(cache, j + 1):  # (B, 1, hidden), or (B, hidden) as OPT flattens it
-            _prefetch(cache, [j + 1], args[0].view(-1, 1, args[0].shape[-1]), norms)
-
-    return hook

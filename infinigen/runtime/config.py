@@ -88,6 +88,11 @@ class RuntimeConfig:
         "the budget's share of the KV in GPU memory (budgeted policies, unlimited pool).",
         applies_to=("budgeted",),
     )
+    # Tuning of the CUDA row gather (``runtime.transfer``): measured in BENCHMARKS.md, "Things tried that did not pay".
+    gather_programs: int | None = option(
+        None, "Programs of the persistent CUDA gather (default: half the GPU's SMs).", cli=False
+    )
+    gather_rows: int = option(16, "Rows a CUDA gather program moves per loop step (a power of two).", cli=False)
 
     def __post_init__(self) -> None:
         if self.policy not in get_args(PolicyName):
@@ -105,6 +110,10 @@ class RuntimeConfig:
             if getattr(self, name) not in choices:
                 shown = ", ".join(map(str, choices))
                 raise InfinigenError(f"{name} must be one of {shown}, got {getattr(self, name)!r}")
+        if self.gather_programs is not None and self.gather_programs < 1:
+            raise InfinigenError(f"gather_programs must be >= 1 (None: half the SMs), got {self.gather_programs}")
+        if self.gather_rows < 1 or self.gather_rows & (self.gather_rows - 1):
+            raise InfinigenError(f"gather_rows must be a power of two, got {self.gather_rows}")
         if self.cpu_pool_gb is not None and not (0 < self.cpu_pool_gb < math.inf):
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
         if self.reuse_rows and self.cpu_pool_gb is not None:

@@ -3,7 +3,7 @@
 A decode step's attention reads every key once and does little arithmetic: it is bound by memory
 bandwidth only if enough thread blocks read at once. PyTorch's masked SDPA (the memory-efficient
 kernel) gives each (batch row, head) one block that walks all keys, so at batch 1 a Llama-3-8B
-layer keeps 8 blocks busy over 32K keys (BENCHMARKS.md, session 6). Here each (batch row, KV head)
+layer keeps 8 blocks busy over 32K keys (BENCHMARKS.md, "Micro-benchmarks"). Here each (batch row, KV head)
 splits its keys into chunks, one program each, which keep a running softmax over their chunk
 (flash-decoding); a few PyTorch ops merge the chunks. The query group of a KV head (its G query
 heads) is one small matrix, so grouped-query heads read their shared keys once.

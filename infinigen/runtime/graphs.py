@@ -1,5 +1,5 @@
 """CUDA graphs: an offloaded layer's decode-time selection (``SelectionGraph``), and the capture
-that ``infinigen.runtime.decode.StepGraph`` uses for whole decode steps.
+that ``infinigen.runtime.generation.StepGraph`` uses for whole decode steps.
 
 A policy's selection is a few dozen small kernels per layer and step; launched one at a time from
 Python they cost more host time than the GPU spends on them, and the whole decode step becomes
@@ -35,6 +35,9 @@ class SelectionGraph:
         self.capacity = -1  # the layer capacity the graph was captured at
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple[Selection, torch.Tensor] | None = None
+        # the graph's static inputs, refilled before each replay: hidden (B, hidden) and the rotary cos/sin
+        self.hidden: torch.Tensor | None = None
+        self.rope: tuple[torch.Tensor, ...] = ()
 
     def __call__(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: Norm, rope) -> tuple[Selection, torch.Tensor]:
         if layer.capacity != self.capacity:
@@ -89,7 +92,7 @@ def capture(fn: Callable[[], T], stream: torch.cuda.Stream) -> tuple[torch.cuda.
         with torch.cuda.stream(stream):
             # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device and
             # empties the allocator's cache (every later allocation a cudaMalloc again) at every
-            # capture: costly where caches are short-lived (5-shot tasks: BENCHMARKS.md, session 5)
+            # capture: costly where caches are short-lived (5-shot tasks: BENCHMARKS.md, "Method")
             graph.capture_begin()
             try:
                 outputs = fn()

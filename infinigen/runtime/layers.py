@@ -13,13 +13,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from infinigen.architectures import Norm
+from infinigen.architectures import ModelSpec, Norm
 from infinigen.errors import InfinigenError
 from infinigen.runtime.buffers import grown, grown_to
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.graphs import SelectionGraph
-from infinigen.runtime.policies import Policy, Selection
-from infinigen.runtime.policies.base import RowCodec
+from infinigen.runtime.policies.base import Policy, RowCodec, Selection
 from infinigen.runtime.pool import KVPool
 from infinigen.runtime.reuse import ResidentRows
 from infinigen.runtime.speculation import LayerSpeculator
@@ -53,6 +52,7 @@ class DenseLayer(_Layer):
     def __init__(self, runtime) -> None:
         super().__init__()
         self.runtime = runtime  # the InfinigenCache: its ``slot``
+        self.valid: torch.Tensor | None = None  # (B, 1, capacity) bool: the slot holds a token (not padding)
         self.attention_valid: torch.Tensor | None = None  # (B, 1, capacity) for the current decode step
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -131,7 +131,19 @@ class OffloadedLayer(_Layer):
         self.index, self.policy, self.config, self.speculator = index, policy, config, speculator
         self.attention = attention  # the layer's attention module (the oracle computes its true query)
         self.runtime = runtime  # the InfinigenCache: shared stream, staging buffers, pool limit
+        # from the first update (``lazy_initialization``): the keys' device and dtype, the pool, and
+        # (B, kv_heads, capacity) bool: the slot holds a cached token (not padding, not unused)
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        self.pool: KVPool | None = None
+        self.valid: torch.Tensor | None = None
         self.max_tokens: int | None = None  # pool limit in tokens per (batch row, KV head); None: unlimited
+        # eviction bookkeeping, only for a limited pool, each (B, kv_heads, capacity): the step each slot
+        # was written (fifo, counter), last fetched (lru), and int32 its fetches since written (counter)
+        self.inserted: torch.Tensor | None = None
+        self.last_fetch: torch.Tensor | None = None
+        self.fetch_count: torch.Tensor | None = None
+        self.current_slots: torch.Tensor | None = None  # (B, kv_heads): the current decode token's slots
         self.used = 0  # slots in use (< length once the pool is full and evicts)
         self.step = 0
         self.fetched: Fetched | None = None
@@ -159,6 +171,8 @@ class OffloadedLayer(_Layer):
             self.dtype,
             self.device,
             block_tokens=self.config.block_tokens,
+            gather_rows=self.config.gather_rows,
+            gather_programs=self.config.gather_programs,
         )
         self.valid = torch.zeros(batch, kv_heads, 0, dtype=torch.bool, device=self.device)
         if self.max_tokens is not None:  # eviction bookkeeping, only for a limited pool
@@ -252,6 +266,14 @@ class OffloadedLayer(_Layer):
         self.length += 1
         self.stats.written_rows += self.valid.shape[0] * self.valid.shape[1]
 
+    @property
+    def spec(self) -> ModelSpec:
+        return self.runtime.spec
+
+    def all_slots(self, n: int) -> torch.Tensor:
+        """arange(n) on the device, shared by the cache's layers."""
+        return self.runtime.all_slots(n)
+
     def device_used(self) -> torch.Tensor:
         """``used`` as a (1,) tensor on the device: the cache's ``slot`` while the pool appends (a
         captured step reads its current value), else a constant (a full pool runs eagerly)."""
@@ -287,7 +309,7 @@ class OffloadedLayer(_Layer):
         self.fetched = self.runtime.aside(lambda: self._prefetched(hidden, norm, rope), (hidden, *(rope or ())))
 
     def _prefetched(self, hidden: torch.Tensor, norm: Norm, rope) -> Fetched:
-        if self.runtime.select_rows or self.last_selection is None:
+        if self.runtime.diagnostics.select_rows or self.last_selection is None:
             if self.selection_graph is None and self.runtime.captures(self):
                 self.selection_graph = SelectionGraph()
             if self.selection_graph is not None:

@@ -27,10 +27,14 @@ class KVPool:
         device: torch.device,
         *,
         block_tokens: int,
+        gather_rows: int = 16,
+        gather_programs: int | None = None,
     ) -> None:
         self.shape = (batch, kv_heads, block_tokens, 2, head_dim)
         self.dtype, self.device = dtype, device
         self.block_tokens = block_tokens
+        # the CUDA gather's tuning (``RuntimeConfig.gather_rows``, ``gather_programs``)
+        self.gather_rows, self.gather_programs = gather_rows, gather_programs
         self.blocks: list[torch.Tensor] = []
         self.block_table = torch.empty(0, dtype=torch.int64, device=device)  # data_ptr of each block
 

@@ -1,6 +1,6 @@
 """Row reuse: an offloaded layer keeps its fetched rows on the GPU from one decode step to the next,
 and a step moves only the rows its selection adds (consecutive steps select mostly the same rows:
-BENCHMARKS.md, session 11). ``ResidentRows.place`` keeps every row selected again where it is and
+BENCHMARKS.md, "Row reuse"). ``ResidentRows.place`` keeps every row selected again where it is and
 gives the new rows the positions the dropped ones free, so nothing but the new rows moves.
 
 On CUDA the placement is one Triton kernel per layer (a program per (batch row, head)); elsewhere

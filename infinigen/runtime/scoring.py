@@ -1,4 +1,6 @@
-"""The quantized partial key cache: its format, and its scores as one fused kernel.
+"""Scores of cached keys against a query group (``group_scores``: each KV head's token by its query
+group's best logit), for the speculated and the exact selections; the quantized partial key cache:
+its format, and its scores as one fused kernel.
 
 Format (``quantize_rows``): symmetric per row (one token of one KV head), a scale in the model's
 dtype and integer codes: int8 codes at 8 bits; at 4 bits codes in -7 .. 7, two a byte (channel 2j
@@ -212,3 +214,22 @@ def fused_group_scores(
         tokens=TOKENS_PER_PROGRAM,
     )
     return out, tile_max
+
+
+def group_scores(
+    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, key_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """queries (B, heads, c) x keys (B, kv_heads, n, c) -> (B, kv_heads, n) float: each KV head scores a
+    token by the best logit of its query group; -inf where ``valid`` is False. With ``key_scale``
+    (B, kv_heads, n) the keys are the codes of ``quantize_rows`` (a positive scale per token commutes
+    with the max over the group)."""
+    if key_scale is not None and fused_available(keys.device):
+        return fused_group_scores(queries, keys, valid, key_scale)[0]
+    if key_scale is not None:
+        keys = code_values(keys)
+    batch, kv_heads = keys.shape[:2]
+    grouped = queries.view(batch, kv_heads, -1, queries.shape[-1])
+    scores = torch.einsum("bkgc,bktc->bkgt", grouped, keys.to(queries.dtype)).amax(dim=2).float()
+    if key_scale is not None:
+        scores = scores * key_scale
+    return scores.masked_fill(~valid, -math.inf)

@@ -1,4 +1,11 @@
-"""Counters kept while decoding. GPU-side values stay on the GPU until ``summary`` (no per-step sync)."""
+"""Counters kept while decoding. GPU-side values stay on the GPU until ``summary`` (no per-step sync).
+
+A fetch's values wait in a short list (at most ``CHUNK`` steps: no device work per step); each full
+list is reduced on the device, in a few kernels, into a running total of the rows moved and one
+float64 per step, the share of its cached tokens the step attended. The summary reports that
+share's mean and its exact 95th percentile, which need every step's value: 8 bytes per step and
+layer, kept instead of a histogram so that the percentile stays exact.
+"""
 
 from __future__ import annotations
 
@@ -6,51 +13,72 @@ from dataclasses import dataclass, field
 
 import torch
 
+CHUNK = 256  # fetches whose values wait on the host before they are reduced
+Value = torch.Tensor | int  # per batch row (B,) on the compute device, or one int for every row
+
 
 @dataclass
 class LayerStats:
     written_rows: int = 0  # (token, KV head, batch row) rows stored to the CPU pool
     evicted_tokens: int = 0  # tokens (summed over batch rows) overwritten in this layer's full pool
     kv_heads: int = 0
-    moved: list[torch.Tensor] = field(default_factory=list)  # per step: rows per head moved, (B,)
-    attended: list[torch.Tensor] = field(default_factory=list)  # per step: rows per head fetched for attention
-    cached: list[torch.Tensor] = field(default_factory=list)  # per step: tokens cached per batch row
+    batch: int = 0
+    pending: list[tuple[Value, Value, Value]] = field(default_factory=list)  # (moved, attended, cached) per fetch
+    moved: torch.Tensor | None = None  # rows per head moved, summed over the reduced steps and batch rows (float64)
+    fractions: list[torch.Tensor] = field(default_factory=list)  # per reduced chunk: (steps,) float64
 
-    def record(
-        self,
-        moved: torch.Tensor | int,
-        cached: torch.Tensor | int,
-        batch: int,
-        kv_heads: int,
-        attended: torch.Tensor | int | None = None,
-    ) -> None:
+    def record(self, moved: Value, cached: Value, batch: int, kv_heads: int, attended: Value | None = None) -> None:
         """One fetch: ``moved`` rows per (batch row, head) out of ``cached`` tokens per batch row, each
         (B,) or one int for all rows; ``attended``: the rows the step attends, where some were already
-        on the GPU (row reuse; None: the moved ones). No device work, no host sync."""
+        on the GPU (row reuse; None: the moved ones). No host sync; device work once per CHUNK fetches."""
+        self.batch, self.kv_heads = batch, kv_heads
+        self.pending.append((moved, moved if attended is None else attended, cached))
+        if len(self.pending) == CHUNK:
+            self._reduce()
 
-        def per_row(value: torch.Tensor | int) -> torch.Tensor:
-            return value if isinstance(value, torch.Tensor) else torch.full((batch,), value)
-
-        self.kv_heads = kv_heads
-        self.moved.append(per_row(moved))
-        self.attended.append(per_row(moved if attended is None else attended))
-        self.cached.append(per_row(cached))
+    def _reduce(self) -> None:
+        """Fold the pending fetches into the running total and the per-step fractions."""
+        if not self.pending:
+            return
+        moved, attended, cached = (_per_step(values, self.batch) for values in zip(*self.pending, strict=True))
+        self.pending = []
+        total = moved.sum()
+        if self.moved is None:
+            self.moved = total
+        else:  # in place: no buffer is freed that another stream may still read
+            self.moved += total
+        # a bulk fetch also moves a padded row's padding slots: it still fetched all of the row's KV
+        self.fractions.append((attended / cached.clamp(min=1)).clamp(max=1).mean(dim=1))
 
     def fetched_total(self) -> int:
-        return round(float(_on_host(self.moved).sum()) * self.kv_heads) if self.moved else 0
+        self._reduce()
+        return round(float(self.moved) * self.kv_heads) if self.moved is not None else 0
 
     def fraction_mean_p95(self) -> tuple[float, float]:
-        if not self.moved:
+        self._reduce()
+        if not self.fractions:
             return 0.0, 0.0
-        cached = _on_host(self.cached)
-        # a bulk fetch also moves a padded row's padding slots: it still fetched all of the row's KV
-        fractions = (_on_host(self.attended) / cached.clamp(min=1)).clamp(max=1).mean(dim=1)
+        fractions = torch.cat(self.fractions).cpu()
         return float(fractions.mean()), float(fractions.quantile(0.95))
 
 
-def _on_host(values: list[torch.Tensor]) -> torch.Tensor:
-    """(steps, B) float64 on the host."""
-    return torch.stack([v.cpu().double() for v in values])
+def _per_step(values: tuple[Value, ...], batch: int) -> torch.Tensor:
+    """(steps, B) float64 on the values' device: each step's (B,) tensor, or its int for every row.
+    The ints move in one copy, from pinned memory on CUDA (a pageable copy would wait for the
+    device); each row is then a view, and one stack gathers them."""
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    numbers = [float(value) for value in values if not isinstance(value, torch.Tensor)]
+    on_device = iter(())
+    if numbers:
+        host = torch.tensor(numbers, dtype=torch.float64, pin_memory=device.type == "cuda")
+        on_device = iter(host.to(device, non_blocking=True))
+    rows = [value if isinstance(value, torch.Tensor) else next(on_device).expand(batch) for value in values]
+    stacked = torch.stack(rows).to(torch.float64)
+    if device.type == "cuda":  # made on other streams, maybe: their memory must outlive this stream's read
+        for tensor in tensors:
+            tensor.record_stream(torch.cuda.current_stream(device))
+    return stacked
 
 
 def summarize(layers, row_bytes: int, wait_ms: float, pool_bytes: int) -> dict:

@@ -2,7 +2,7 @@
 
 PyTorch gives each stream that runs a matrix multiply its own cuBLAS workspace (32 MiB on an H100)
 and keeps it until the process ends, so new streams per cache would leave that much behind per
-cache (67 MB per ``infinigen`` case of a bench sweep, measured in session 12). Sharing the streams
+cache (67 MB per ``infinigen`` case of a bench sweep, BENCHMARKS.md, "GPU memory"). Sharing the streams
 is safe: every hand-over between streams is an event or a ``wait_stream``.
 """
 

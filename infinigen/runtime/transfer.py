@@ -9,7 +9,6 @@ never round-trips to the host. Elsewhere the same operations run as PyTorch inde
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,8 +21,6 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch pat
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
-
-ROWS_PER_PROGRAM = int(os.environ.get("INFINIGEN_GATHER_ROWS", 16))  # rows per loop step
 
 
 def zero_copy_available(device: torch.device) -> bool:
@@ -82,6 +79,12 @@ def scatter_rows(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
 if triton is not None:
 
     @triton.jit
+    def _offset(row, row_stride, position, position_stride):
+        """row * row_stride + position * position_stride in 64 bits: program ids and integer arguments
+        are 32-bit, and a buffer past 2^31 elements would otherwise be addressed out of bounds."""
+        return row.to(tl.int64) * row_stride + position.to(tl.int64) * position_stride
+
+    @triton.jit
     def _gather_kernel(
         table,
         indices,
@@ -115,18 +118,19 @@ if triton is not None:
             at = (bh // kv_heads) * count_batch_stride + (bh % kv_heads) * count_head_stride
             limit = tl.minimum(tl.load(count + at), k) if has_count else k
             live = j < limit
-            token = tl.load(indices + bh * k + j, mask=live, other=0)
+            token = tl.load(indices + _offset(bh, k, j, 1), mask=live, other=0)
             base = tl.load(table + token // block_tokens, mask=live, other=0)
-            src = base.to(tl.pointer_type(out.dtype.element_ty)) + (bh * block_tokens + token % block_tokens) * row
+            pool_row = _offset(bh, block_tokens, token % block_tokens, 1)  # in the token's block
+            src = base.to(tl.pointer_type(out.dtype.element_ty)) + pool_row * row
             in_row = (col < row)[None, :]
             values = tl.load(src[:, None] + col[None, :], mask=live[:, None] & in_row, other=0)
             if has_destination:  # rows kept between steps (row reuse) stay: only moved rows are written
-                position = tl.load(destination + bh * k + j, mask=live, other=0)
+                position = tl.load(destination + _offset(bh, k, j, 1), mask=live, other=0)
                 written = live
             else:  # rows past the count are zeros: never-initialised memory must not reach attention
                 position = j
                 written = j < k
-            dst = out + bh * head_stride + position[:, None] * head_dim + dst_col[None, :]
+            dst = out + _offset(bh, head_stride, position[:, None], head_dim) + dst_col[None, :]
             tl.store(dst, values, mask=written[:, None] & in_row)
 
     @triton.jit
@@ -140,12 +144,9 @@ if triton is not None:
 
 
 @functools.cache
-def gather_programs(device: torch.device) -> int:
-    """Programs of the persistent gather: half the SMs (best of 1/8 .. all on an H200, 8 x 16K
-    Llama-3-8B shape), unless INFINIGEN_GATHER_PROGRAMS says."""
-    override = os.environ.get("INFINIGEN_GATHER_PROGRAMS")
-    if override:
-        return int(override)
+def default_gather_programs(device: torch.device) -> int:
+    """Programs of the persistent gather unless the pool says: half the SMs (best of 1/8 .. all on an
+    H200, 8 x 16K Llama-3-8B shape)."""
     return max(8, torch.cuda.get_device_properties(device).multi_processor_count // 2)
 
 
@@ -155,10 +156,11 @@ def _launch_gather(
     batch, heads, k = indices.shape
     head_dim = out.shape[-1]
     row = 2 * head_dim
-    chunks_per_head = triton.cdiv(k, ROWS_PER_PROGRAM)
+    chunks_per_head = triton.cdiv(k, pool.gather_rows)
     n_chunks = batch * heads * chunks_per_head
     count = count.contiguous() if count is not None else None  # an expanded count has stride 0
-    _gather_kernel[(min(n_chunks, gather_programs(out.device)),)](
+    programs = pool.gather_programs or default_gather_programs(out.device)
+    _gather_kernel[(min(n_chunks, programs),)](
         pool.block_table,
         indices.contiguous(),
         count if count is not None else indices,
@@ -177,7 +179,7 @@ def _launch_gather(
         block_tokens=pool.block_tokens,
         head_dim=head_dim,
         row_pow2=triton.next_power_of_2(row),
-        rows_per_chunk=ROWS_PER_PROGRAM,
+        rows_per_chunk=pool.gather_rows,
     )
 
 

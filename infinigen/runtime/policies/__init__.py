@@ -1,7 +1,7 @@
 """KV selection policies: one file each, one interface (``Policy``), one runtime path."""
 
 from infinigen.errors import InfinigenError
-from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.config import PolicyName, RuntimeConfig
 from infinigen.runtime.policies.base import Policy, Selection
 from infinigen.runtime.policies.dense import DensePolicy
 from infinigen.runtime.policies.full import FullPolicy
@@ -11,7 +11,7 @@ from infinigen.runtime.policies.int4 import Int2Policy, Int4Policy
 from infinigen.runtime.policies.oracle import OraclePolicy
 from infinigen.runtime.policies.quest import QuestPolicy
 
-POLICIES: dict[str, type[Policy]] = {
+POLICIES: dict[PolicyName, type[Policy]] = {
     p.name: p
     for p in (DensePolicy, FullPolicy, InfinigenPolicy, H2OPolicy, QuestPolicy, OraclePolicy, Int4Policy, Int2Policy)
 }

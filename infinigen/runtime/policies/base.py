@@ -9,7 +9,7 @@ page summaries, attention scores). The runtime calls, per layer:
 - ``attended`` after each attention, with the attention mass per slot (only if ``observes_attention``).
 
 A policy with a ``codec`` stores and moves its rows compressed; the runtime decodes them on the
-compute device after the transfer.
+compute device after the transfer. A policy reads its layer through ``LayerView`` only.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.config import PolicyName, RuntimeConfig
 
 if TYPE_CHECKING:
-    from infinigen.runtime.layers import OffloadedLayer
+    from torch import nn
+
+    from infinigen.architectures import ModelSpec
+    from infinigen.runtime.speculation import LayerSpeculator
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,52 @@ class Selection:
     indices: torch.Tensor | None = None
     count: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+
+
+class LayerView(Protocol):
+    """What a policy may read about the offloaded layer it serves (``OffloadedLayer`` is one)."""
+
+    @property
+    def capacity(self) -> int:
+        """Slots the layer's buffers have room for: every per-slot buffer is sized by it."""
+        ...
+
+    @property
+    def used(self) -> int:
+        """Slots in use: 0 .. used-1 (fewer than the tokens seen once a full pool evicts)."""
+        ...
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(B, kv_heads, capacity) bool: the slot holds a cached token (not padding, not unused)."""
+        ...
+
+    @property
+    def speculator(self) -> LayerSpeculator | None:
+        """The layer's partial query and key projections (policies that speculate)."""
+        ...
+
+    @property
+    def attention(self) -> nn.Module:
+        """The layer's attention module (its q projection gives the exact query)."""
+        ...
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model's attention geometry."""
+        ...
+
+    def device_used(self) -> torch.Tensor:
+        """``used`` as a (1,) tensor on the device, as a captured selection must read it."""
+        ...
+
+    def all_slots(self, n: int) -> torch.Tensor:
+        """arange(n) on the device, shared by the cache's layers."""
+        ...
+
+    def every_slot(self) -> Selection:
+        """A fetch of every cached slot."""
+        ...
 
 
 class RowCodec(Protocol):
@@ -61,7 +110,7 @@ class RowCodec(Protocol):
 class Policy:
     """Decides where KV lives and, per decode step and offloaded layer, which cached tokens to fetch."""
 
-    name: ClassVar[str]
+    name: ClassVar[PolicyName]
     offloads: ClassVar[bool] = True  # False: every layer keeps its whole KV on the compute device
     speculates: ClassVar[bool] = False  # True: needs the artifact and partial keys
     lookahead: ClassVar[bool] = True  # select one layer ahead (from the previous layer); False: at the layer
@@ -76,17 +125,17 @@ class Policy:
         self.config = config
 
     def select(
-        self, layer: OffloadedLayer, attention_input: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+        self, layer: LayerView, attention_input: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> Selection:
         """attention_input (B, hidden): with ``lookahead``, the residual stream entering the previous layer
         under this layer's attention norm (an approximation); otherwise this layer's exact input.
         By default: every cached slot."""
         return layer.every_slot()
 
-    def stored(self, layer: OffloadedLayer, slots: slice | torch.Tensor, keys: torch.Tensor) -> None:
+    def stored(self, layer: LayerView, slots: slice | torch.Tensor, keys: torch.Tensor) -> None:
         """keys (B, kv_heads, T, d) now cached at ``slots``: a slice of new slots, or (B, kv_heads)
         overwritten slots (T = 1)."""
 
-    def attended(self, layer: OffloadedLayer, slots: torch.Tensor | None, mass: torch.Tensor) -> None:
+    def attended(self, layer: LayerView, slots: torch.Tensor | None, mass: torch.Tensor) -> None:
         """mass (B, kv_heads, S): attention probability each attended slot received, summed over the
         step's queries and each KV head's query group; slots (B, kv_heads, S), or None for 0 .. S-1."""

@@ -10,7 +10,7 @@ import math
 import torch
 
 from infinigen.runtime.buffers import store_slots
-from infinigen.runtime.policies.base import Policy, Selection
+from infinigen.runtime.policies.base import LayerView, Policy, Selection
 from infinigen.runtime.top_slots import first_ranks
 
 
@@ -25,19 +25,19 @@ class H2OPolicy(Policy):
         self.alive: torch.Tensor | None = None  # (B, kv_heads, n) bool: not evicted
         self.keep: torch.Tensor | None = None  # (B,) tokens kept per row, fixed at the first decode step
 
-    def stored(self, layer, slots, keys) -> None:
+    def stored(self, layer: LayerView, slots, keys) -> None:
         shape = keys.shape[:3]  # (B, kv_heads, T)
         unseen = torch.zeros(shape, dtype=torch.float32, device=keys.device)
         self.scores = store_slots(self.scores, slots, unseen, layer.capacity)
         self.alive = store_slots(self.alive, slots, unseen == 0, layer.capacity)
 
-    def attended(self, layer, slots, mass) -> None:
+    def attended(self, layer: LayerView, slots, mass) -> None:
         if slots is None:
             self.scores[:, :, : mass.shape[-1]] += mass
         else:
             self.scores.scatter_add_(-1, slots, mass)
 
-    def select(self, layer, attention_input, rope) -> Selection:
+    def select(self, layer: LayerView, attention_input, rope) -> Selection:
         n, cfg = layer.capacity, self.config  # every slot the buffers have; unused ones are invalid
         valid = layer.valid[:, :, :n]
         if self.keep is None:  # the prompt is cached: fix the budget (at the first, uncaptured, decode step)
@@ -45,11 +45,11 @@ class H2OPolicy(Policy):
             self.keep = (cached * cfg.budget).ceil().clamp(min=cfg.min_tokens).minimum(cached).to(torch.int32)
         k_max = min(n, max(cfg.min_tokens, math.ceil(cfg.budget * n)))  # >= keep: a static bound
         used = layer.device_used()  # (1,)
-        recent = layer.runtime.all_slots(n) >= (used - self.keep // 2)[:, None, None]  # and unused: invalid
+        recent = layer.all_slots(n) >= (used - self.keep // 2)[:, None, None]  # and unused: invalid
         candidates = self.alive[:, :, :n] & valid
         priority = self.scores[:, :, :n].masked_fill(recent, math.inf).masked_fill(~candidates, -math.inf)
         ranked = priority.topk(k_max, dim=-1).indices  # (B, kv_heads, k_max): best first
-        kept = (layer.runtime.all_slots(k_max) < self.keep[:, None, None]).expand_as(ranked)
+        kept = (layer.all_slots(k_max) < self.keep[:, None, None]).expand_as(ranked)
         self.alive[:, :, :n] = False  # evict all but the kept (one token per step once the budget is reached)
         self.alive.scatter_(-1, ranked, kept)
         return Selection(indices=first_ranks(ranked, self.keep, n), count=self.keep)

@@ -8,11 +8,11 @@ import math
 import torch
 
 from infinigen.runtime.buffers import grown_to, store_slots
-from infinigen.runtime.policies.base import Policy, Selection
+from infinigen.runtime.policies.base import LayerView, Policy, Selection
 from infinigen.runtime.scoring import (
-    code_values,
     fused_available,
     fused_group_scores,
+    group_scores,
     quantize_rows,
     store_token_codes,
 )
@@ -32,7 +32,7 @@ class InfinigenPolicy(Policy):
         self.partial_key_cache: torch.Tensor | None = None
         self.partial_key_scale: torch.Tensor | None = None
 
-    def stored(self, layer, slots, keys) -> None:
+    def stored(self, layer: LayerView, slots, keys) -> None:
         if self.partial_key_scale is not None and not isinstance(slots, slice) and fused_available(keys.device):
             # a decode step's token: one kernel projects, quantizes and writes it at its slots (B, kv_heads)
             self.partial_key_cache = grown_to(self.partial_key_cache, layer.capacity, 2)
@@ -46,7 +46,7 @@ class InfinigenPolicy(Policy):
             self.partial_key_scale = store_slots(self.partial_key_scale, slots, scale, layer.capacity)
         self.partial_key_cache = store_slots(self.partial_key_cache, slots, partial, layer.capacity)
 
-    def select(self, layer, attention_input, rope) -> Selection:
+    def select(self, layer: LayerView, attention_input, rope) -> Selection:
         n, cfg = layer.capacity, self.config  # every slot the buffers have; unused ones are invalid
         k_max = min(n, max(cfg.min_tokens, math.ceil(cfg.budget * n)))  # static bound for every row
         partial_query = layer.speculator.partial_query(attention_input, rope)  # (B, heads, r)
@@ -76,22 +76,3 @@ def select_tokens(
         scores, tile_max = fused_group_scores(partial_query, partial_keys, valid, key_scale)
         return top_slots(scores, rule, k_max, tile_max)
     return top_slots(group_scores(partial_query, partial_keys, valid, key_scale), rule, k_max)
-
-
-def group_scores(
-    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, key_scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """queries (B, heads, c) x keys (B, kv_heads, n, c) -> (B, kv_heads, n) float: each KV head scores a
-    token by the best logit of its query group; -inf where ``valid`` is False. With ``key_scale``
-    (B, kv_heads, n) the keys are the codes of ``quantize_rows`` (a positive scale per token commutes
-    with the max over the group)."""
-    if key_scale is not None and fused_available(keys.device):
-        return fused_group_scores(queries, keys, valid, key_scale)[0]
-    if key_scale is not None:
-        keys = code_values(keys)
-    batch, kv_heads = keys.shape[:2]
-    grouped = queries.view(batch, kv_heads, -1, queries.shape[-1])
-    scores = torch.einsum("bkgc,bktc->bkgt", grouped, keys.to(queries.dtype)).amax(dim=2).float()
-    if key_scale is not None:
-        scores = scores * key_scale
-    return scores.masked_fill(~valid, -math.inf)

@@ -9,8 +9,8 @@ import math
 import torch
 
 from infinigen.runtime.buffers import store_slots
-from infinigen.runtime.policies.base import Policy, Selection
-from infinigen.runtime.policies.infinigen import group_scores
+from infinigen.runtime.policies.base import LayerView, Policy, Selection
+from infinigen.runtime.scoring import group_scores
 from infinigen.runtime.speculation import exact_query
 from infinigen.runtime.top_slots import first_ranks
 
@@ -24,12 +24,12 @@ class OraclePolicy(Policy):
         super().__init__(config)
         self.keys: torch.Tensor | None = None  # (B, kv_heads, n, d): every cached key
 
-    def stored(self, layer, slots, keys) -> None:
+    def stored(self, layer: LayerView, slots, keys) -> None:
         self.keys = store_slots(self.keys, slots, keys, layer.capacity)
 
-    def select(self, layer, attention_input, rope) -> Selection:
+    def select(self, layer: LayerView, attention_input, rope) -> Selection:
         n = layer.capacity
-        query = exact_query(layer.attention, layer.runtime.spec, attention_input, rope)  # (B, heads, d)
+        query = exact_query(layer.attention, layer.spec, attention_input, rope)  # (B, heads, d)
         scores = group_scores(query, self.keys[:, :, :n], layer.valid[:, :, :n])
         cached = layer.valid[:, :, :n].sum(dim=-1).amax(dim=1)  # (B,)
         count = (cached * self.config.budget).ceil().to(torch.int32)

@@ -10,7 +10,7 @@ import math
 import torch
 
 from infinigen.runtime.buffers import grown_to
-from infinigen.runtime.policies.base import Policy, Selection
+from infinigen.runtime.policies.base import LayerView, Policy, Selection
 from infinigen.runtime.speculation import exact_query
 from infinigen.runtime.top_slots import first_ranks
 
@@ -28,7 +28,7 @@ class QuestPolicy(Policy):
         # (= -min): both bounds update with one max-reduction.
         self.page_bounds: torch.Tensor | None = None
 
-    def stored(self, layer, slots, keys) -> None:
+    def stored(self, layer: LayerView, slots, keys) -> None:
         signed = torch.stack([keys, -keys], dim=3)  # (B, kv_heads, T, 2, d)
         if self.page_bounds is None:
             self.page_bounds = keys.new_full((*keys.shape[:2], 0, *signed.shape[3:]), -math.inf)
@@ -51,17 +51,17 @@ class QuestPolicy(Policy):
         signed = torch.stack([grouped.clamp(min=0), -grouped.clamp(max=0)], dim=3)  # (B, kv_heads, G, 2, d)
         return torch.einsum("bkgsd,bkpsd->bkgp", signed, bounds).amax(dim=2).float()
 
-    def select(self, layer, attention_input, rope) -> Selection:
+    def select(self, layer: LayerView, attention_input, rope) -> Selection:
         capacity = layer.capacity
         pages = math.ceil(capacity / PAGE)
         k_pages = min(pages, max(1, math.ceil(self.config.budget * capacity / PAGE)))  # static bound
-        query = exact_query(layer.attention, layer.runtime.spec, attention_input, rope)  # (B, heads, d)
+        query = exact_query(layer.attention, layer.spec, attention_input, rope)  # (B, heads, d)
         filled = grown_to(layer.valid[:, :, :capacity], pages * PAGE, 2, fill=False)  # (B, kv_heads, pages * PAGE)
         empty = ~filled.unflatten(2, (pages, PAGE)).any(dim=-1)  # pages of padding or unused slots only
         cached_pages = (~empty).sum(dim=-1).amax(dim=1)  # (B,)
         page_count = (cached_pages * self.config.budget).ceil().clamp(min=1).to(torch.int32)  # (B,)
         ranked = self.upper_bounds(query, pages).masked_fill(empty, -math.inf).topk(k_pages, dim=-1).indices
         chosen = first_ranks(ranked, page_count, pages)  # (B, kv_heads, k_pages) ascending
-        slots = (chosen[..., None] * PAGE + layer.runtime.all_slots(PAGE)).flatten(2)
+        slots = (chosen[..., None] * PAGE + layer.all_slots(PAGE)).flatten(2)
         # a last page past the capacity (blocks not a multiple of a page) repeats the last slot, unattended
         return Selection(indices=slots.clamp(max=capacity - 1), count=page_count * PAGE, valid=slots < capacity)
