@@ -140,7 +140,7 @@ def test_batched_equals_one_by_one_smollm2(smollm2_on, device):
 
 
 def pool_gb(tokens: int, kv_heads: int = 2, head_dim: int = 16, layers: int = 1) -> float:
-    return tokens * layers * kv_heads * 2 * head_dim * 4 / 2**30  # float32 rows
+    return (tokens * layers * kv_heads * 2 * head_dim * 4 + 0.5) / 1e9  # float32 rows; GB of 10^9 bytes
 
 
 @pytest.mark.parametrize("eviction", ["counter", "fifo", "lru"])

@@ -40,7 +40,10 @@ class LayerStats:
         """Fold the pending fetches into the running total and the per-step fractions."""
         if not self.pending:
             return
-        moved, attended, cached = (_per_step(values, self.batch) for values in zip(*self.pending, strict=True))
+        # every value on one device: a step's ints (e.g. a fixed count) beside another's (B,) tensors
+        tensors = (value for fetch in self.pending for value in fetch if isinstance(value, torch.Tensor))
+        device = next(tensors, torch.empty(0)).device
+        moved, attended, cached = (_per_step(values, self.batch, device) for values in zip(*self.pending, strict=True))
         self.pending = []
         total = moved.sum()
         if self.moved is None:
@@ -62,12 +65,11 @@ class LayerStats:
         return float(fractions.mean()), float(fractions.quantile(0.95))
 
 
-def _per_step(values: tuple[Value, ...], batch: int) -> torch.Tensor:
-    """(steps, B) float64 on the values' device: each step's (B,) tensor, or its int for every row.
-    The ints move in one copy, from pinned memory on CUDA (a pageable copy would wait for the
-    device); each row is then a view, and one stack gathers them."""
+def _per_step(values: tuple[Value, ...], batch: int, device: torch.device) -> torch.Tensor:
+    """(steps, B) float64 on ``device``: each step's (B,) tensor, or its int for every row. The ints
+    move in one copy, from pinned memory on CUDA (a pageable copy would wait for the device); each
+    row is then a view, and one stack gathers them."""
     tensors = [value for value in values if isinstance(value, torch.Tensor)]
-    device = tensors[0].device if tensors else torch.device("cpu")
     numbers = [float(value) for value in values if not isinstance(value, torch.Tensor)]
     on_device = iter(())
     if numbers:
