@@ -4,6 +4,7 @@ model, padding, eviction, bad settings. Runs on CPU in CI and on CUDA where pres
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -28,6 +29,17 @@ def test_full_budget_is_exact_tiny(tokenizer, arch, policy, device):
     inputs = padded_batch(prompts, pad=1, device=device)
     expected = greedy(model, inputs, DynamicCache())
     assert torch.equal(greedy(model, inputs, cache_for(model, artifact, policy=policy, **EXACT)), expected)
+
+
+def test_budget_one_fetches_every_token_whatever_the_family(tokenizer):
+    """Budget 1.0 needs no other setting: the paper's alpha count is off, every cached token moves."""
+    for arch in ("opt", "llama"):
+        model, artifact = tiny_setup(tokenizer, arch, "cpu")
+        cache = cache_for(model, artifact, budget=1.0)
+        assert cache.config.alpha == math.inf
+        greedy(model, {"input_ids": torch.randint(3, 512, (2, 24))}, cache, new_tokens=4)
+        assert cache.summary()["fraction_fetched"] == 1.0
+        assert cache_for(model, artifact, budget=1.0, alpha=5.0).config.alpha == 5.0  # given: kept
 
 
 @pytest.mark.parametrize("arch", ["opt", "llama"])

@@ -42,7 +42,7 @@ class RuntimeConfig:
     alpha: float | None = option(
         None,
         "Speculation threshold: tokens within alpha logits of each head's best (default: the paper's, "
-        "4 for OPT, 5 for the Llama family; inf: the budget alone).",
+        "4 for OPT, 5 for the Llama family, and none at budget 1; inf: the budget alone).",
         applies_to=("speculates",),
     )
     min_tokens: int = option(8, "Fewest tokens fetched per step and layer (when that many are cached).", cli=False)
@@ -120,10 +120,11 @@ class RuntimeConfig:
             raise InfinigenError("reuse_rows needs an unlimited CPU pool (an evicted slot would leave a stale row)")
 
     def for_model(self, model_type: str) -> RuntimeConfig:
-        """This config with ``alpha`` resolved for the model family."""
+        """This config with ``alpha`` resolved: at budget 1.0 none (every cached token is fetched, so
+        decoding is dense decoding), else the paper's for the model family."""
         if self.alpha is not None:
             return self
-        return replace(self, alpha=DEFAULT_ALPHA.get(model_type, ROPE_ALPHA))
+        return replace(self, alpha=math.inf if self.budget >= 1 else DEFAULT_ALPHA.get(model_type, ROPE_ALPHA))
 
 
 _FIELD_TYPES = {"eviction": Eviction, "lookahead_from": LookaheadFrom, "partial_key_bits": PartialKeyBits}
