@@ -51,7 +51,10 @@ def model_spec(config) -> ModelSpec:
     """Read the attention geometry from a transformers config, or fail naming what is supported."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED:
-        raise InfinigenError(f"unsupported architecture {model_type!r}: supported are {', '.join(SUPPORTED)}")
+        raise InfinigenError(
+            f"unsupported architecture {model_type!r}: supported are {', '.join(SUPPORTED)} "
+            "(every policy, dense included, runs through infinigen's cache; plain transformers decodes any model densely)"
+        )
     if model_type == "opt" and not getattr(config, "do_layer_norm_before", True):
         # their attention reads the un-normalised residual stream: the selections' inputs assume a norm
         raise InfinigenError("OPT with post-norm layers (do_layer_norm_before=False, e.g. opt-350m) is not supported")

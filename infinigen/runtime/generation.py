@@ -241,7 +241,7 @@ def generate_text(
     pool_tokens = cache.pool_limit(len(prompts), model.dtype)
     if pool_tokens is not None and pool_tokens < prompt_len:
         raise InfinigenError(
-            f"a CPU pool of {cache.config.cpu_pool_gb} GiB holds {pool_tokens} tokens per sequence and layer, "
+            f"a CPU pool of {cache.config.cpu_pool_gb} GB holds {pool_tokens} tokens per sequence and layer, "
             f"fewer than the {prompt_len}-token prompt"
         )
     timer = TokenTimer(tokenizer, stream=stream and len(prompts) == 1)
