@@ -53,7 +53,7 @@ def model_spec(config) -> ModelSpec:
     if model_type not in SUPPORTED:
         raise InfinigenError(
             f"unsupported architecture {model_type!r}: supported are {', '.join(SUPPORTED)} "
-            "(every policy, dense included, runs through infinigen's cache; plain transformers decodes any model densely)"
+            "(every policy, dense included, runs through infinigen's cache; plain transformers decodes it densely)"
         )
     if model_type == "opt" and not getattr(config, "do_layer_norm_before", True):
         # their attention reads the un-normalised residual stream: the selections' inputs assume a norm
