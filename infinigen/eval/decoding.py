@@ -93,22 +93,53 @@ def teacher_forced_nll(
 def continuation_logprobs(
     model: PreTrainedModel, cache, pairs: list[tuple[list[int], list[int]]], pad: int
 ) -> list[float]:
-    """log p(continuation | context) of each (context, continuation) pair, all decoded together as one
-    batch through the runtime. Row i: left padding, context_i but its last token (prefilled densely),
-    then its last token and continuation_i (one decode step each, so a sparse step predicts every
-    continuation token), then right padding (after the scored tokens: it changes none of them)."""
-    if any(len(context) < 2 or not continuation for context, continuation in pairs):
-        raise InfinigenError("scoring needs a context of at least 2 tokens and a non-empty continuation")
-    prefix = max(len(context) for context, _ in pairs) - 1
-    width = prefix + max(len(continuation) for _, continuation in pairs) + 1
+    """log p(continuation | context) of each (context, continuation) pair (``continuation_scores``)."""
+    return [logprob for logprob, _ in continuation_scores(model, cache, pairs, pad)]
+
+
+@torch.no_grad()
+def continuation_scores(
+    model: PreTrainedModel, cache, pairs: list[tuple[list[int], list[int]]], pad: int
+) -> list[tuple[float, bool]]:
+    """(log p(continuation | context), whether greedy decoding yields the continuation) of each
+    (context, continuation) pair, all decoded together as one batch through the runtime. Row i: left
+    padding, context_i but its last token (prefilled densely), then its last token and continuation_i
+    (one decode step each, so a sparse step predicts every continuation token), then right padding
+    (after the scored tokens: it changes none of them).
+
+    Contexts of one token are scored in batches of their own (the prefill is then that token): a row
+    of padding alone in a prefill would attend to nothing."""
+    if not pairs or any(not context or not continuation for context, continuation in pairs):
+        raise InfinigenError("scoring needs non-empty contexts and continuations")
+    longest = max(len(context) for context, _ in pairs)
+    # offset: the scored column of continuation_i's first token (column 0 predicts ids[:, prefix])
+    offset = 1 if longest > 1 else 0
+    if offset and any(len(context) < 2 for context, _ in pairs):
+        raise InfinigenError(
+            "next to longer contexts, a context needs at least 2 tokens (one-token contexts: a batch of their own)"
+        )
+    prefix = max(longest - 1, 1)
+    width = prefix + offset + max(len(continuation) for _, continuation in pairs)
     rows, masks = [], []
     for context, continuation in pairs:
-        left = prefix - len(context) + 1
+        left = prefix + offset - len(context)
         rows.append([pad] * left + context + continuation + [pad] * (width - left - len(context) - len(continuation)))
         masks.append([0] * left + [1] * (width - left))
     ids, mask = (torch.tensor(t, device=model.device) for t in (rows, masks))
-    nll = teacher_forced_nll(model, cache, ids, prefix, mask)  # (n, width - prefix); column 0: the last context token
-    return [-float(nll[i, 1 : 1 + len(continuation)].sum()) for i, (_, continuation) in enumerate(pairs)]
+    targets = ids[:, prefix:]
+    # one step's log-probabilities at a time: (B, V) per step, never (B, T, V)
+    logprobs, greedy = [], []
+    for logits in stepwise_logits(model, cache, ids[:, :-1], prefix, mask[:, :-1]):
+        column = len(logprobs)
+        logits = logits.float()
+        logprobs.append(logits.log_softmax(-1).gather(-1, targets[:, column : column + 1])[:, 0])
+        greedy.append(logits.argmax(-1) == targets[:, column])
+    logprob, matches = torch.stack(logprobs, dim=1).cpu(), torch.stack(greedy, dim=1).cpu()
+    scores = []
+    for i, (_, continuation) in enumerate(pairs):
+        scored = slice(offset, offset + len(continuation))
+        scores.append((float(logprob[i, scored].sum()), bool(matches[i, scored].all())))
+    return scores
 
 
 @torch.no_grad()
