@@ -15,7 +15,7 @@ from infinigen.errors import InfinigenError
 from infinigen.prepare import capture_calibration, prepare_artifact, skew_layer
 from infinigen.prepare.calibration import load_samples
 from infinigen.prepare.fold import skew_model_in_place
-from infinigen.prepare.skew import right_singular_vectors, skew_head
+from infinigen.prepare.skew import right_singular_vectors, score_energy, skew_head
 
 
 def max_relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -167,3 +167,25 @@ def test_opt_skewed_checkpoint_has_identical_logits(tiny):
     ids = torch.randint(0, 512, (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(skewed(ids).logits, loaded.model(ids).logits, atol=1e-9, rtol=1e-9)
+
+
+def test_a_skew_that_carries_less_score_energy_than_none_is_not_shipped():
+    """Q's principal direction (e0 + e1) is not where its scores with the keys live (e0 alone): the
+    SVD skew would keep less score energy than the plain channels, so the head ships the identity."""
+    generator = torch.Generator().manual_seed(0)
+    tokens, head_dim = 512, 4
+    along, across = torch.tensor([1.0, 1.0, 0, 0]) / 2**0.5, torch.tensor([1.0, -1.0, 0, 0]) / 2**0.5
+    queries = (
+        10 * torch.randn(tokens, 1, generator=generator) * along
+        + 5 * torch.randn(tokens, 1, generator=generator) * across
+    )
+    keys = 3 * torch.randn(tokens, 1, generator=generator) * torch.tensor([1.0, 0, 0, 0])
+    svd_only = skew_head(queries, keys, 1, skew="svd", channel_rule="top")
+    assert svd_only.unskewed and torch.equal(svd_only.skew_matrix, torch.eye(head_dim))
+    assert svd_only.channels.tolist() == [0] and svd_only.energy_after == svd_only.energy_before > 0.99
+    skewed = right_singular_vectors(queries.double())  # what the SVD alone would have kept
+    assert (
+        score_energy(queries.double() @ skewed, keys.double() @ skewed, torch.tensor([0]))
+        < 0.9
+        < svd_only.energy_before
+    )

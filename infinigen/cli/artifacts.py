@@ -86,14 +86,18 @@ def prepare(
     )
     seconds = time.perf_counter() - start
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    summary = _summary(artifact.manifest) | {
-        "out": str(out),
-        "seconds": round(seconds, 1),
-        "peak_rss_gb": round(peak_rss_gb, 2),
-    }
+    summary = (
+        _summary(artifact.manifest)
+        | {"unskewed_heads": sum(_unskewed_heads(artifact))}
+        | {
+            "out": str(out),
+            "seconds": round(seconds, 1),
+            "peak_rss_gb": round(peak_rss_gb, 2),
+        }
+    )
     if printed_json(summary, as_json):
         return
-    _print_energy(artifact.manifest)
+    _print_energy(artifact)
     console.print(f"wrote [bold]{out}[/] in {seconds:.1f} s (peak RSS {peak_rss_gb:.2f} GB)")
 
 
@@ -109,11 +113,11 @@ def inspect(
     """
     from infinigen.artifacts import artifact_folder, load_artifact
 
-    manifest = load_artifact(artifact_folder(artifact)).manifest
-    if printed_json(asdict(manifest), as_json):
+    checked = load_artifact(artifact_folder(artifact))
+    if printed_json(asdict(checked.manifest), as_json):
         return
-    print_pairs(f"artifact {artifact}", _summary(manifest))
-    _print_energy(manifest)
+    print_pairs(f"artifact {artifact}", _summary(checked.manifest))
+    _print_energy(checked)
 
 
 @command
@@ -167,7 +171,21 @@ def _summary(manifest) -> dict:
     }
 
 
-def _print_energy(manifest) -> None:
-    rows = [{"layer": e.layer, "before": f"{e.before:.3f}", "after": f"{e.after:.3f}"} for e in manifest.energy]
-    columns = {"layer": "layer", "energy before": "before", "energy after": "after"}
+def _unskewed_heads(artifact) -> list[int]:
+    """Per layer, the KV heads that ship the identity (prepare keeps no skew that carries less score
+    energy than none)."""
+    import torch
+
+    layers = artifact.manifest.spec.n_layers
+    eye = torch.eye(artifact.manifest.spec.head_dim)
+    return [sum(bool(torch.equal(a, eye)) for a in artifact.skew_matrix(i)) for i in range(layers)]
+
+
+def _print_energy(artifact) -> None:
+    unskewed = _unskewed_heads(artifact)
+    rows = [
+        {"layer": e.layer, "before": f"{e.before:.3f}", "after": f"{e.after:.3f}", "unskewed": unskewed[e.layer]}
+        for e in artifact.manifest.energy
+    ]
+    columns = {"layer": "layer", "energy before": "before", "energy after": "after", "heads left unskewed": "unskewed"}
     print_rows("score energy in the kept channels", columns, rows)

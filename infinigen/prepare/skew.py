@@ -29,6 +29,7 @@ class HeadSkew:
     channels: torch.Tensor  # (r,), int64, ascending
     energy_before: float  # score energy carried by the top-r channels of the unskewed q/k
     energy_after: float  # same, skewed
+    unskewed: bool = False  # the SVD skew carried less than none: the head ships the identity
 
 
 def right_singular_vectors(matrix: torch.Tensor) -> torch.Tensor:
@@ -87,12 +88,15 @@ def skew_head(
         channels = top_channels(skewed_q, skewed_k, n_channels)
     else:
         channels = torch.randperm(head_dim, generator=generator)[:n_channels].sort().values
-    return HeadSkew(
-        skew_matrix=skew_matrix.float(),
-        channels=channels,
-        energy_before=score_energy(queries, keys, top_channels(queries, keys, n_channels)),
-        energy_after=score_energy(skewed_q, skewed_k, channels),
-    )
+    plain_channels = top_channels(queries, keys, n_channels)
+    energy_before = score_energy(queries, keys, plain_channels)
+    energy_after = score_energy(skewed_q, skewed_k, channels)
+    if skew == "svd" and channel_rule == "top" and energy_after < energy_before:
+        # Q's principal directions need not be where its scores with the (centred) keys live: a
+        # skew that keeps less score energy than no skew is never shipped.
+        identity = torch.eye(head_dim, dtype=torch.float32)
+        return HeadSkew(identity, plain_channels, energy_before, energy_before, unskewed=True)
+    return HeadSkew(skew_matrix.float(), channels, energy_before, energy_after)
 
 
 def group_queries(queries: torch.Tensor, n_kv_heads: int) -> list[torch.Tensor]:
