@@ -30,6 +30,14 @@ def test_runtime_imports_none_of_its_clients(path):
     assert not leaks, f"{path.relative_to(PACKAGE)} imports {sorted(leaks)}"
 
 
+@pytest.mark.parametrize(
+    "path", sorted([*(PACKAGE / "eval").rglob("*.py"), *(PACKAGE / "bench").rglob("*.py")]), ids=str
+)
+def test_eval_and_bench_do_not_import_the_command_line(path):
+    leaks = {name for name in imported_modules(path) if name.startswith("infinigen.cli")}
+    assert not leaks, f"{path.relative_to(PACKAGE)} imports {sorted(leaks)}"
+
+
 def test_the_checker_sees_imports_inside_functions():
     assert "infinigen.eval.decoding" in imported_modules(PACKAGE / "cli" / "evaluate.py")
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import types
 from collections.abc import Callable
 from dataclasses import Field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any
 
 import typer
 
 from infinigen.errors import InfinigenError
-from infinigen.runtime.config import RUNTIME_FIELDS, RuntimeConfig
+from infinigen.runtime.config import RUNTIME_FIELDS, field_type, parse_value
 
 ModelArg = Annotated[
     str | None,
@@ -32,10 +31,8 @@ DtypeOpt = Annotated[
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu | cuda[:N] (default: cuda if present).")]
 TextOpt = Annotated[Path, typer.Option(help="Text file (Project Gutenberg headers are stripped).")]
 
-_TYPES = get_type_hints(RuntimeConfig)
 # A sweep's plural spelling, kept from earlier versions of the command line.
 _PLURALS = {"policy": "--policies", "budget": "--budgets"}
-_SWITCHES = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
 
 def cli_fields() -> list[Field]:
@@ -43,44 +40,8 @@ def cli_fields() -> list[Field]:
     return [f for f in RUNTIME_FIELDS if f.metadata["cli"]]
 
 
-def _value_type(name: str) -> tuple[type, bool, tuple]:
-    """A field's value type (str, int, float, bool), whether it may be None, and its choices (Literal)."""
-    hint = _TYPES[name]
-    optional = get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint)
-    if optional:
-        hint = next(arg for arg in get_args(hint) if arg is not type(None))
-    if get_origin(hint) is Literal:
-        choices = get_args(hint)
-        return type(choices[0]), optional, choices
-    return hint, optional, ()
-
-
 def option_name(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def parse_value(name: str, text: str, option: str | None = None, more_choices: tuple = ()) -> Any:
-    """One value of the field ``name`` from the command line (``none``: None where the field allows it;
-    ``more_choices``: values a command accepts beyond the field's own)."""
-    kind, optional, choices = _value_type(name)
-    choices = choices + more_choices if choices else ()
-    option = option or option_name(name)
-    text = text.strip()
-    if optional and text.lower() in ("none", "default"):
-        return None
-    if kind is bool:
-        if text.lower() not in _SWITCHES:
-            raise InfinigenError(f"{option} takes off or on, got {text!r}")
-        return _SWITCHES[text.lower()]
-    try:
-        value = kind(text)
-    except ValueError:
-        raise InfinigenError(f"{option} takes {kind.__name__} values, got {text!r}") from None
-    if kind is float and math.isnan(value):
-        raise InfinigenError(f"{option} takes a number, got {text!r}")
-    if choices and value not in choices:
-        raise InfinigenError(f"{option} takes {', '.join(map(str, choices))}, got {text!r}")
-    return value
 
 
 def parse_list(text: str, option: str, kind: type = float) -> list:
@@ -101,7 +62,7 @@ def _parameter(field: Field, sweep: bool, default: str | None) -> inspect.Parame
         shown = default if default is not None else _shown(field.default)
         annotation = Annotated[str, typer.Option(*names, help=help_text + " A comma-separated list is a sweep.")]
         return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=shown)
-    kind, optional, _ = _value_type(field.name)
+    kind, optional, _ = field_type(field.name)
     if kind is bool:
         flag = names[0]
         names = [f"{flag}/--no-{flag[2:]}"]

@@ -35,11 +35,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from infinigen.cli.options import parse_value
 from infinigen.errors import InfinigenError
 from infinigen.eval.decoding import continuation_scores
 from infinigen.runtime import cache_argument, cache_for, decode, load
-from infinigen.runtime.config import RUNTIME_FIELDS, config_from
+from infinigen.runtime.config import RUNTIME_FIELDS, config_from, parse_value
 
 DEFAULT_BATCH = 8
 DEFAULT_GEN_TOKENS = 256  # HFLM's max_gen_toks

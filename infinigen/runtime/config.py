@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import types
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from infinigen.errors import InfinigenError
 
@@ -157,3 +158,42 @@ def settings_grid(values: dict[str, list]) -> list[dict]:
 def config_from(row: dict) -> RuntimeConfig:
     """The ``RuntimeConfig`` of a ``settings_grid`` row (None: the field's default)."""
     return RuntimeConfig(**{key: value for key, value in row.items() if value is not None})
+
+
+_SWITCHES = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+
+
+def field_type(name: str) -> tuple[type, bool, tuple]:
+    """A field's value type (str, int, float, bool), whether it may be None, and its choices (Literal)."""
+    hint = get_type_hints(RuntimeConfig)[name]
+    optional = get_origin(hint) in (Union, types.UnionType) and type(None) in get_args(hint)
+    if optional:
+        hint = next(arg for arg in get_args(hint) if arg is not type(None))
+    if get_origin(hint) is Literal:
+        choices = get_args(hint)
+        return type(choices[0]), optional, choices
+    return hint, optional, ()
+
+
+def parse_value(name: str, text: str, option: str | None = None, more_choices: tuple = ()) -> Any:
+    """One value of the field ``name`` from text (a command line, lm-eval's model args): ``none`` is None
+    where the field allows it; ``more_choices``: values a command accepts beyond the field's own."""
+    kind, optional, choices = field_type(name)
+    choices = choices + more_choices if choices else ()
+    option = option or "--" + name.replace("_", "-")
+    text = text.strip()
+    if optional and text.lower() in ("none", "default"):
+        return None
+    if kind is bool:
+        if text.lower() not in _SWITCHES:
+            raise InfinigenError(f"{option} takes off or on, got {text!r}")
+        return _SWITCHES[text.lower()]
+    try:
+        value = kind(text)
+    except ValueError:
+        raise InfinigenError(f"{option} takes {kind.__name__} values, got {text!r}") from None
+    if kind is float and math.isnan(value):
+        raise InfinigenError(f"{option} takes a number, got {text!r}")
+    if choices and value not in choices:
+        raise InfinigenError(f"{option} takes {', '.join(map(str, choices))}, got {text!r}")
+    return value
