@@ -111,3 +111,35 @@ def run_in_interpreter(script: str, **env: str) -> None:
     variables = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, **env)
     result = subprocess.run([sys.executable, "-c", script], env=variables, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def invoke(*args: str):
+    """The command line, through typer's test runner (exceptions not caught: a traceback fails the test)."""
+    from typer.testing import CliRunner
+
+    from infinigen.cli import app
+
+    return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+@pytest.fixture
+def checkpoint(tmp_path, tokenizer):
+    def save(arch: str):
+        folder = tmp_path / f"tiny-{arch}"
+        tiny_model(arch).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
+
+    return save
+
+
+@pytest.fixture
+def prepared(checkpoint, tmp_path):
+    """A tiny checkpoint folder and its artifact."""
+
+    def make(arch: str):
+        folder, out = checkpoint(arch), tmp_path / f"skewed-{arch}"
+        assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
+        return folder, out
+
+    return make

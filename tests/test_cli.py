@@ -7,22 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import invoke
 from huggingface_hub import HfApi
-from rich.console import Console
 from transformers import AutoModelForCausalLM
-from typer.testing import CliRunner
 
-import infinigen.bench.runs
 from infinigen import __version__
 from infinigen.artifacts import load_artifact
-from infinigen.cli import app, render
-
-runner = CliRunner()
-
-
-def invoke(*args: str):
-    return runner.invoke(app, list(args), catch_exceptions=False)
+from infinigen.cli import app
 
 
 def test_runtime_options_come_from_runtime_config():
@@ -51,29 +42,6 @@ def test_runtime_options_come_from_runtime_config():
     assert {f.name for f in dataclasses.fields(RuntimeConfig)} - {f.name for f in fields} == {
         f.name for f in dataclasses.fields(RuntimeConfig) if not f.metadata["cli"]
     }
-
-
-@pytest.fixture
-def checkpoint(tmp_path, tokenizer):
-    def save(arch: str):
-        folder = tmp_path / f"tiny-{arch}"
-        tiny_model(arch).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        return folder
-
-    return save
-
-
-@pytest.fixture
-def prepared(checkpoint, tmp_path):
-    """A tiny checkpoint folder and its artifact."""
-
-    def make(arch: str):
-        folder, out = checkpoint(arch), tmp_path / f"skewed-{arch}"
-        assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
-        return folder, out
-
-    return make
 
 
 def test_version():
@@ -195,204 +163,6 @@ def test_push(checkpoint, tmp_path, monkeypatch):
     )
     result = invoke("push", str(out), "--repo-id", "me/tiny")
     assert result.exit_code == 0 and "https://hf.co/me/tiny/commit/1" in result.output
-
-
-def bench(args: str):
-    return invoke("bench", *["--shape", "tiny-llama", "--device", "cpu", "--dtype", "float32"], *args.split())
-
-
-def strict_json(text: str):
-    """A --json report, refusing NaN and infinities (not JSON: other tools reject them)."""
-
-    def refuse(constant: str):
-        raise ValueError(f"{constant} in a JSON report")
-
-    return json.loads(text, parse_constant=refuse)
-
-
-def test_bench_tiny_on_cpu(monkeypatch):
-    """A tiny benchmark run produces one row per policy and budget (no timing assertions)."""
-    result = bench(
-        "--batch 2 --prompt-len 64 --gen-len 2 --policies dense,full,infinigen --budgets 0.2,0.5 --breakdown --json"
-    )
-    assert result.exit_code == 0, result.output
-    report = strict_json(result.stdout)
-    assert report["pinned_h2d_gb_s"] is None  # no host->device link on CPU
-    splits = [(b["policy"], b["budget"], b["batch"], b["prompt_len"]) for b in report["breakdown"]]
-    assert splits == [("full", None, 2, 64), ("infinigen", 0.2, 2, 64), ("infinigen", 0.5, 2, 64)]  # as the results
-    assert all(b["compute_only_ms"] > 0 and b["transfer_only_ms"] > 0 for b in report["breakdown"])
-    assert all(b["without_selection_ms"] > 0 and b["selection_share"] < 1 for b in report["breakdown"])
-    for b in report["breakdown"]:  # the step's saving without selecting, per offloaded layer (2 of 4 here)
-        saving = b["step_ms"] - b["without_selection_ms"]  # both rounded to 0.01 ms
-        assert b["selection_ms_per_layer"] == pytest.approx(saving / 2, abs=0.006)
-    rows = {(r["policy"], r["budget"]): r for r in report["results"]}
-    assert set(rows) == {("dense", None), ("full", None), ("infinigen", 0.2), ("infinigen", 0.5)}
-    assert rows[("full", None)]["fraction_fetched"] == 1.0
-    assert 0 < rows[("infinigen", 0.2)]["fraction_fetched"] < rows[("infinigen", 0.5)]["fraction_fetched"] <= 0.51
-    progress = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
-    assert progress == report["results"]  # each row on stderr as it finishes: a cut-off run keeps them
-    monkeypatch.setattr(render, "console", Console(width=400))  # no cell folded over lines
-    table = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies full")
-    assert table.exit_code == 0 and "tiny-llama float32 on cpu" in table.stdout
-    assert "ms/step" in table.stdout and "peak GPU GB" not in table.stdout  # no GPU: its column left out
-
-
-def test_bench_sweeps_and_plots(tmp_path):
-    plot = tmp_path / "bench.png"
-    result = bench(f"--batch 1,2 --prompt-len 32,48 --gen-len 1 --policies full,h2o,int4 --plot {plot} --json")
-    assert result.exit_code == 0, result.output
-    rows = json.loads(result.stdout)["results"]
-    assert sorted({(r["batch"], r["prompt_len"]) for r in rows}) == [(1, 32), (1, 48), (2, 32), (2, 48)]
-    assert len(rows) == 12 and plot.read_bytes()[:4] == b"\x89PNG"
-    replot = tmp_path / "again.png"
-    report = tmp_path / "report.json"
-    report.write_text(result.stdout)
-    assert invoke("plot", str(report), "--out", str(replot)).exit_code == 0 and replot.exists()
-
-
-def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_path):
-    """--model runs real weights with their artifact and the family's alpha (reported per row), on
-    prompts cut from --text; --repeat keeps the median of its runs."""
-    from infinigen.bench.runs import prompt_ids
-    from infinigen.runtime import RuntimeConfig
-
-    folder, out, text = checkpoint("qwen2"), tmp_path / "skewed", tmp_path / "book.txt"
-    assert invoke("prepare", str(folder), "--out", str(out), "--tokens", "64", "--device", "cpu").exit_code == 0
-    text.write_text("the old house on the corner of the street stood there for a hundred years " * 20)
-    args = ["bench", "--model", str(folder), "--artifact", str(out), "--text", str(text), "--device", "cpu"]
-    args += ["--dtype", "float32", "--batch", "2", "--prompt-len", "48", "--gen-len", "2", "--repeat", "3"]
-    result = invoke(*args, "--policies", "dense,infinigen", "--budgets", "0.5", "--json")
-    assert result.exit_code == 0, result.output
-    report = strict_json(result.stdout)
-    assert report["model"] == str(folder) and report["shape"] is None
-    dense, infinigen = report["results"]
-    family_alpha = RuntimeConfig().for_model("qwen2").alpha
-    assert dense["alpha"] is None and infinigen["alpha"] == family_alpha  # the paper's count rule, stated
-    assert 0 < infinigen["fraction_fetched"] <= 0.5 + 1 / 48
-    runs = infinigen["ms_per_step_runs"]
-    assert len(runs) == 3 and runs == sorted(runs) and infinigen["ms_per_step"] == runs[1]
-    # the prompts: consecutive slices of the text, row after row, wrapping where it is short
-    ids = torch.arange(5)
-    assert prompt_ids(2, 3, 99, ids).tolist() == [[0, 1, 2], [3, 4, 0]]
-    assert prompt_ids(2, 3, 99).tolist() == prompt_ids(2, 3, 99).tolist()  # random, seeded
-    given = invoke(*args, "--policies", "infinigen", "--budgets", "0.5", "--alpha", "1e9", "--repeat", "1", "--json")
-    assert given.exit_code == 0 and strict_json(given.stdout)["results"][0]["alpha"] == 1e9
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        ("--shape tiny-llama --text book.txt", "--artifact and --text go with --model"),
-        ("--model {folder} --ratio 0.3", "with --model the artifact sets it"),
-        ("--model {folder} --policies infinigen", "speculating policies need the model's artifact"),
-        ("--shape tiny-llama --repeat 0", "--repeat and --gen-len must be at least 1"),
-    ],
-)
-def test_bench_refuses_bad_combinations(checkpoint, args, message):
-    folder = checkpoint("llama")
-    argv = ["bench", *args.format(folder=folder).split(), "--device", "cpu", "--dtype", "float32"]
-    result = runner.invoke(app, [*argv, "--prompt-len", "32", "--gen-len", "1"])
-    assert result.exit_code != 0 and message in " ".join(result.output.split())
-
-
-def test_bench_runtime_sweeps_multiply_only_the_policies_they_change():
-    args = "--batch 1 --prompt-len 32 --gen-len 1 --policies dense,full,infinigen --budgets 0.5"
-    sweeps = "--ratio 0.3,0.5 --partial-key-bits 8,16 --lookahead-from input,attention --attention-lookahead-layers 0,1"
-    result = bench(f"{args} {sweeps} --json")
-    assert result.exit_code == 0, result.output
-    rows = json.loads(result.stdout)["results"]
-    fields = ("policy", "ratio", "partial_key_bits", "lookahead_from", "attention_lookahead_layers")
-    keys = [tuple(r[f] for f in fields) for r in rows]
-    lookahead = [(s, n) for s in ("input", "attention") for n in (0, 1)]
-    assert keys[:5] == [("dense", None, None, None, None)] + [("full", None, None, s, n) for s, n in lookahead]
-    assert sorted(keys[5:]) == sorted(
-        ("infinigen", r, b, s, n) for r in (0.3, 0.5) for b in (8, 16) for s, n in lookahead
-    )
-    assert all(r["fraction_fetched"] == rows[-1]["fraction_fetched"] for r in rows[5:])
-
-
-def test_bench_row_reuse_sweep():
-    """--reuse-rows off,on runs budgeted policies both ways: the same fraction attended, fewer bytes
-    moved with reuse; other policies once."""
-    result = bench(
-        "--batch 2 --prompt-len 96 --gen-len 4 --policies full,infinigen,h2o --budgets 0.3 --reuse-rows off,on --json"
-    )
-    assert result.exit_code == 0, result.output
-    rows = {(r["policy"], r["reuse_rows"]): r for r in json.loads(result.stdout)["results"]}
-    assert set(rows) == {("full", None), ("infinigen", False), ("infinigen", True), ("h2o", False), ("h2o", True)}
-    for policy in ("infinigen", "h2o"):
-        plain, reusing = rows[policy, False], rows[policy, True]
-        assert reusing["fraction_fetched"] == pytest.approx(plain["fraction_fetched"], abs=1e-3)
-        assert reusing["h2d_mb_per_step"] < plain["h2d_mb_per_step"]
-    wrong = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies infinigen --reuse-rows maybe")
-    assert wrong.exit_code != 0 and "--reuse-rows takes off or on" in wrong.output
-
-
-def test_bench_graphs_sweep_covers_our_caches_only():
-    args = "--batch 1 --prompt-len 32 --gen-len 2 --policies hf-dynamic,full --graphs step,selection,off --json"
-    result = bench(args)
-    assert result.exit_code == 0, result.output
-    rows = json.loads(result.stdout)["results"]
-    assert [(r["policy"], r["graphs"]) for r in rows] == [
-        ("hf-dynamic", None),
-        ("full", "step"),
-        ("full", "selection"),
-        ("full", "off"),
-    ]
-    assert len({r["fraction_fetched"] for r in rows[1:]}) == 1
-    wrong = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies full --graphs whole")
-    assert wrong.exit_code != 0 and "--graphs takes step, selection, off" in wrong.output
-
-
-def test_bench_micro_on_cpu(tmp_path):
-    plot = tmp_path / "micro.png"
-    result = bench(f"--micro --micro-contexts 64,128 --plot {plot} --json")
-    assert result.exit_code == 0, result.output
-    report = strict_json(result.stdout)
-    assert report["pinned_h2d_gb_s"] is None  # no pinned copy to compare with on CPU
-    assert all(r["share_of_bulk"] is None for r in report["gather"])
-    assert [(r["context"], r["fraction"]) for r in report["gather"][:2]] == [(64, 0.01), (64, 0.02)]
-    assert len(report["gather"]) == 10 and all(r["ms"] > 0 and r["bytes"] > 0 for r in report["gather"])
-    assert [r["context"] for r in report["speculation"]] == [64, 128]
-    assert all(r["speculation_ms"] > 0 and r["dense_layer_ms"] > 0 for r in report["speculation"])
-    assert plot.read_bytes()[:4] == b"\x89PNG"
-    saved, replot = tmp_path / "micro.json", tmp_path / "again.png"
-    saved.write_text(result.stdout)
-    assert invoke("plot", str(saved), "--out", str(replot)).exit_code == 0 and replot.read_bytes()[:4] == b"\x89PNG"
-
-
-def test_bench_goes_on_past_a_case_that_does_not_fit(monkeypatch):
-    """A sweep reaches sizes where dense decoding does not fit the GPU: that case becomes a row with
-    its error, and the cases after it still run."""
-    real_run_case = infinigen.bench.runs.run_case
-
-    def run_case(model, artifact, case, text_ids=None):
-        if case.policy == "dense" and case.batch == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
-        return real_run_case(model, artifact, case, text_ids)
-
-    monkeypatch.setattr(infinigen.bench.runs, "run_case", run_case)
-    result = bench("--batch 1,2 --prompt-len 32 --gen-len 1 --policies dense,full --breakdown --json")
-    assert result.exit_code == 0, result.output
-    report = strict_json(result.stdout)
-    rows = {(r["policy"], r["batch"]): r for r in report["results"]}
-    assert rows[("dense", 2)]["error"] == "out of GPU memory allocating 64.00 GiB"
-    assert "ms_per_step" not in rows[("dense", 2)]
-    assert all("error" not in row and row["ms_per_step"] > 0 for key, row in rows.items() if key != ("dense", 2))
-    assert [b["batch"] for b in report["breakdown"]] == [1, 2]  # full's breakdown at both batches
-    monkeypatch.setattr(render, "console", Console(width=400))  # no cell folded over lines
-    table = bench("--batch 2 --prompt-len 32 --gen-len 1 --policies full,dense")
-    assert table.exit_code == 0 and "out of GPU memory" in table.stdout
-
-
-def test_bench_plot_picks_the_sweeps_of_a_joined_report():
-    """A context sweep at batch 1 joined with a batch sweep at 8K plots both sweeps."""
-    from infinigen.bench.plots import widest_sweep
-
-    rows = [{"batch": 1, "prompt_len": n} for n in (8192, 32768, 131072)]
-    rows += [{"batch": b, "prompt_len": 8192} for b in (4, 8, 16, 32)]
-    assert widest_sweep(rows, "batch", "prompt_len") == 1
-    assert widest_sweep(rows, "prompt_len", "batch") == 8192
 
 
 def test_generate_out_of_memory_is_one_line(prepared, tmp_path, monkeypatch):
