@@ -48,7 +48,7 @@ def test_round_trip(artifact, saved):
 
 def test_manifest_records_provenance(saved):
     manifest = json.loads((saved / MANIFEST).read_text())
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2 and len(manifest["missed_mass_fractions"]) == 25
     assert set(manifest["base_model"]) == {"model_id", "revision", "kind", "hub_id", "fingerprint", "qk_signature"}
     assert len(manifest["base_model"]["qk_signature"]) == manifest["spec"]["n_layers"] == 3
     assert manifest["calibration"]["sources"][0]["tokens"] == manifest["calibration"]["tokens"] == 128
@@ -313,9 +313,13 @@ def test_refuses_other_weights_in_any_dtype(tiny, saved_for, arch, other):
 
 
 def _old_layout(folder):
-    """The manifest as infinigen wrote it before the q/k signature (and, earlier, the method field)."""
+    """The artifact as infinigen wrote it before the q/k signature (and, earlier, the method field):
+    version 1, without attention statistics."""
     manifest = json.loads((folder / MANIFEST).read_text())
-    del manifest["base_model"]["qk_signature"], manifest["method"]
+    del manifest["base_model"]["qk_signature"], manifest["method"], manifest["missed_mass_fractions"]
+    tensors = {name: t for name, t in load_file(folder / TENSORS).items() if not name.endswith(".missed_mass")}
+    save_file(tensors, folder / TENSORS)
+    manifest.update(format_version=1, tensors_sha256=_sha256(folder / TENSORS))
     (folder / MANIFEST).write_text(json.dumps(manifest))
 
 

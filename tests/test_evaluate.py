@@ -27,7 +27,7 @@ def test_dense_runtime_perplexity_equals_full_forward(tokenizer):
 def test_perplexity_report(tokenizer):
     model, artifact = tiny_setup(tokenizer, "qwen3", "cpu")
     ids = torch.randint(3, 512, (3, 80), generator=torch.Generator().manual_seed(1))
-    report = perplexity(model, artifact, ids, 16, batch=2, block=32, policy="infinigen", budget=0.25, alpha=None)
+    report = perplexity(model, artifact, ids, 16, batch=2, block=32, policy="infinigen", budget=0.25)
     assert report["tokens_scored"] == 3 * 64 and len(report["block_perplexity"]) == 2
     assert 0 < report["fraction_fetched"] <= 0.25 + 1 / 16 and report["perplexity"] > 1
     json.dumps(report)

@@ -122,6 +122,7 @@ def test_wrong_types(folder, path, value, message):
         ("versions", "versions"),
         ("created", "created"),
         ("tensors_sha256", "tensors_sha256"),
+        ("missed_mass_fractions", "missed_mass_fractions"),  # version 2 has them
     ],
 )
 def test_missing_keys(folder, path, shown):
@@ -132,7 +133,12 @@ def test_missing_keys(folder, path, shown):
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        ("format_version", 2, "unknown artifact format version 2 (this infinigen reads version 1)"),
+        ("format_version", 3, "unknown artifact format version 3 (this infinigen reads version 1, 2)"),
+        ("missed_mass_fractions", [0.5], "missed_mass_fractions must hold 2 to 64 numbers, got 1"),
+        ("missed_mass_fractions", "0.5,1", "missed_mass_fractions must be an array, got '0.5,1'"),
+        ("missed_mass_fractions.0", 0.0, "missed_mass_fractions must be numbers in (0, 1]"),
+        ("missed_mass_fractions.0", True, "missed_mass_fractions must be numbers in (0, 1]"),
+        ("missed_mass_fractions.1", 0.001, "missed_mass_fractions must be strictly ascending"),
         ("format_version", 0, "unknown artifact format version 0"),
         ("spec.n_layers", 0, "spec.n_layers must be an integer in [1, 65536], got 0"),
         ("spec.hidden_size", -64, "spec.hidden_size must be an integer in [1, 65536], got -64"),

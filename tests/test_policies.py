@@ -393,3 +393,23 @@ def test_automatic_garbage_collection_during_a_capture_leaves_it_intact(tiny_lla
 
     monkeypatch.setattr(OffloadedLayer, "select", select_with_collection)
     assert torch.equal(greedy(model, inputs, cache_for(model, artifact, **settings), new_tokens=20), expected)
+
+
+def test_sinks_and_recent_window_are_always_fetched(tokenizer, device):
+    """With sink_tokens / recent_tokens, infinigen's selection holds each row's first cached tokens
+    (after its left padding) and the last slots, within the same count as without them."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    inputs = padded_batch([list(range(5, 45)), list(range(7, 30))], 1, device)
+    plain = cache_for(model, artifact, budget=0.25)
+    greedy(model, inputs, plain, new_tokens=3)
+    cache = cache_for(model, artifact, budget=0.25, sink_tokens=2, recent_tokens=3)
+    greedy(model, inputs, cache, new_tokens=3)
+    first = inputs["attention_mask"].int().argmax(dim=-1)  # (B,): each row's first real token
+    for layer, plain_layer in zip(cache.offloaded, plain.offloaded, strict=True):
+        selection, _ = layer.last_selection
+        assert torch.equal(selection.count, plain_layer.last_selection[0].count)
+        used = layer.used - 1  # the selection was made before the last token was stored
+        for b in range(inputs["input_ids"].shape[0]):
+            kept = selection.indices[b, :, : int(selection.count[b])]
+            wanted = [int(first[b]), int(first[b]) + 1, used - 3, used - 2, used - 1]
+            assert bool(torch.isin(torch.tensor(wanted, device=device), kept).all()), (b, kept, wanted)

@@ -32,7 +32,7 @@ def test_full_budget_is_exact_tiny(tokenizer, arch, policy, device):
 
 
 def test_budget_one_fetches_every_token_whatever_the_family(tokenizer):
-    """Budget 1.0 needs no other setting: the paper's alpha count is off, every cached token moves."""
+    """Budget 1.0 needs no other setting: every cached token moves (an alpha given is kept)."""
     for arch in ("opt", "llama"):
         model, artifact = tiny_setup(tokenizer, arch, "cpu")
         cache = cache_for(model, artifact, budget=1.0)
@@ -115,31 +115,23 @@ def test_full_budget_is_exact_smollm2(smollm2_on, policy, device):
     assert torch.equal(greedy(model, inputs, cache_for(model, artifact, policy=policy, **EXACT), 16), expected)
 
 
-@pytest.mark.parametrize(
-    ("settings", "min_agreement"),
-    [({}, 0.75), ({"budget": 0.3, "alpha": 1e9}, 0.9)],  # seen on CPU: 0.79 at 11% fetched; 0.93 at 30%
-)
-def test_sparse_decoding_tracks_dense_smollm2(smollm2_on, device, settings, min_agreement):
-    """Sparse decoding on real text (the bundled PG-19 excerpt, past the part used for calibration
-    in this test's artifact): within budget, and mostly dense's top-1."""
+def test_sparse_decoding_fetches_its_budget_and_tracks_dense_smollm2(smollm2_on, device):
+    """On real text (the bundled PG-19 excerpt, a ~2K-token prompt) the budget is the fraction fetched
+    (within 20%), and sparse decoding mostly keeps dense's top-1."""
     from infinigen.prepare.calibration import bundled_text
 
     model, tokenizer, artifact = smollm2_on
-    ids = tokenizer(bundled_text(), return_tensors="pt").input_ids[:, 1024:].to(device)
-    prefix = ids.shape[1] - 96
+    ids = tokenizer(bundled_text(), return_tensors="pt").input_ids.to(device)
+    prefix, budget = ids.shape[1] - 48, 0.1
     with torch.no_grad():
         dense = model(ids).logits[:, prefix - 1 : -1].argmax(-1)
-    cache = cache_for(model, artifact, **settings)
+    cache = cache_for(model, artifact, budget=budget)
     sparse = teacher_forced_argmax(model, ids, prefix, cache)
     agreement = float((sparse == dense).float().mean())
-    stats = cache.summary()
-    print(
-        f"SmolLM2, alpha {cache.config.alpha}: top-1 agreement with dense {agreement:.3f}, "
-        f"{stats['fraction_fetched']:.3f} of the KV fetched"
-    )
-    assert agreement >= min_agreement
-    assert 0 < stats["fraction_fetched"] <= cache.config.budget + 1 / prefix
-    assert stats["bytes_host_to_device"] > 0
+    fetched = cache.summary()["fraction_fetched"]
+    print(f"SmolLM2, budget {budget}: top-1 agreement with dense {agreement:.3f}, {fetched:.3f} of the KV fetched")
+    assert abs(fetched - budget) <= 0.2 * budget
+    assert agreement >= 0.75  # seen on CPU: 0.81 over 96 tokens
 
 
 def test_batched_equals_one_by_one_smollm2(smollm2_on, device):

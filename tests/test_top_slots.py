@@ -10,7 +10,7 @@ import torch
 from conftest import run_in_interpreter
 
 from infinigen.runtime import top_slots as module
-from infinigen.runtime.top_slots import CountRule, top_slots, truncated
+from infinigen.runtime.top_slots import FORCED, CountRule, top_slots, truncated
 
 CASES = [  # batch, heads, n, cached tokens per batch row, rule
     (2, 3, 5000, [5000, 700], CountRule(0.2, math.inf, 8)),  # two chunks, different counts per batch row
@@ -18,6 +18,7 @@ CASES = [  # batch, heads, n, cached tokens per batch row, rule
     (2, 1, 9000, [0, 9000], CountRule(0.25, math.inf, 8)),  # nothing cached in a row
     (1, 4, 8200, [8200], CountRule(0.5, 2.0, 8)),
     (3, 2, 40, [40, 5, 3], CountRule(0.1, math.inf, 8)),  # min_tokens, fewer cached than that
+    (2, 2, 5000, [5000, 300], CountRule(0.05, 1.0, 8)),  # slots always fetched (FORCED), counted by alpha
 ]
 
 
@@ -28,6 +29,9 @@ def case_scores(index: int, batch: int, heads: int, n: int, cached: list[int]) -
     if index % 2:  # heavy ties: a few distinct values, negative zero among them
         scores = torch.randint(-3, 4, (batch, heads, n), generator=generator).float() * 0.5
         scores[..., ::7] = -0.0
+    if index == 5:  # sinks and a recent window, as the infinigen policy marks them
+        scores[..., :4] = FORCED
+        scores[0, :, 4980:5000] = scores[1, :, 280:300] = FORCED
     for b, tokens in enumerate(cached):
         scores[b, :, tokens:] = -math.inf
         scores[b, -1, max(tokens - 1, 0) :] = -math.inf
@@ -64,7 +68,8 @@ def with_tile_maxima(select):
     """``select`` given the maxima of 100-slot tiles of each row, as the scoring kernel passes them."""
 
     def select_with_tiles(scores, rule, k_max):
-        tiles = torch.nn.functional.pad(scores, (0, -scores.shape[-1] % 100), value=-math.inf)
+        speculated = scores.masked_fill(scores >= FORCED, -math.inf)  # the kernel's maxima: before FORCED
+        tiles = torch.nn.functional.pad(speculated, (0, -scores.shape[-1] % 100), value=-math.inf)
         return select(scores, rule, k_max, tiles.unflatten(-1, (-1, 100)).amax(-1).flatten(0, 1))
 
     return select_with_tiles

@@ -6,6 +6,9 @@ Tensors, per layer ``i`` (h = KV heads, d = head_dim, r = kept channels):
 - OPT only: ``layers.i.partial_query_weight`` (heads, r, hidden + 1) float32: the kept rows of
   the skewed, 1/sqrt(d)-scaled W_q with its bias as the last column, so that the partial
   query is ``[x, 1] @ W.T`` without any other step.
+- Version 2: ``layers.i.missed_mass`` (h, F) float32 in [0, 1]: the attention mass each KV head's
+  exact top tokens miss at the manifest's ``missed_mass_fractions`` of the context, measured on
+  the calibration text (``prepare.attention_stats``; adaptive budgets read it).
 
 Writes are atomic (a hidden sibling folder, renamed into place) and leave ordinary files (modes
 from the umask). Reads check everything (the manifest field by field, see ``manifest.py``; the
@@ -22,7 +25,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 
@@ -32,7 +35,6 @@ from safetensors.torch import save_file
 
 from infinigen.architectures import LayerSignature, ModelSpec, signature_mismatch
 from infinigen.artifacts.manifest import (
-    FORMAT_VERSION,
     TENSORS,
     ArtifactError,
     Manifest,
@@ -47,7 +49,7 @@ MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest is ~1 KB per layer; a bigger file 
 # passes both with margin and still catches any matrix that is not a rotation (NaN, zeros, scaling).
 ORTHOGONALITY_TOLERANCE = 1e-4
 _DTYPES = {torch.float32: "F32", torch.int64: "I64"}  # the artifact's dtypes, as safetensors names them
-_NAME = re.compile(r"layers\.(0|[1-9][0-9]{0,5})\.(skew_matrix|channels|partial_query_weight)")
+_NAME = re.compile(r"layers\.(0|[1-9][0-9]{0,5})\.(skew_matrix|channels|partial_query_weight|missed_mass)")
 
 
 @dataclass(frozen=True)
@@ -64,28 +66,36 @@ class Artifact:
     def partial_query_weight(self, layer: int) -> torch.Tensor | None:
         return self.tensors.get(f"layers.{layer}.partial_query_weight")
 
+    def missed_mass(self, layer: int) -> torch.Tensor | None:
+        """(kv_heads, F) at ``manifest.missed_mass_fractions``; None in a version-1 artifact."""
+        return self.tensors.get(f"layers.{layer}.missed_mass")
 
-def _kinds(spec: ModelSpec) -> tuple[str, ...]:
-    return ("skew_matrix", "channels") if spec.rope else ("skew_matrix", "channels", "partial_query_weight")
+
+def _kinds(spec: ModelSpec, manifest: Manifest) -> tuple[str, ...]:
+    kinds = ("skew_matrix", "channels") if spec.rope else ("skew_matrix", "channels", "partial_query_weight")
+    return kinds + ("missed_mass",) if manifest.missed_mass_fractions else kinds
 
 
-def expected_tensor(name: str, spec: ModelSpec, n_channels: int) -> tuple[tuple[int, ...], str] | None:
-    """(shape, safetensors dtype) of tensor ``name`` in an artifact for ``spec``; None if it has no such tensor."""
+def expected_tensor(name: str, manifest: Manifest) -> tuple[tuple[int, ...], str] | None:
+    """(shape, safetensors dtype) of tensor ``name`` in an artifact with ``manifest``; None if it has no such tensor."""
+    spec = manifest.model_spec
     match = _NAME.fullmatch(name)
-    if match is None or int(match[1]) >= spec.n_layers or match[2] not in _kinds(spec):
+    if match is None or int(match[1]) >= spec.n_layers or match[2] not in _kinds(spec, manifest):
         return None
-    h, d, r = spec.n_kv_heads, spec.head_dim, n_channels
+    h, d, r = spec.n_kv_heads, spec.head_dim, manifest.n_channels
     return {
         "skew_matrix": ((h, d, d), "F32"),
         "channels": ((h, r), "I64"),
         "partial_query_weight": ((spec.n_heads, r, spec.hidden_size + 1), "F32"),
+        "missed_mass": ((h, len(manifest.missed_mass_fractions)), "F32"),
     }[match[2]]
 
 
-def expected_names(spec: ModelSpec) -> Iterator[str]:
-    """Every tensor name an artifact for ``spec`` holds, lazily (layer by layer)."""
+def expected_names(manifest: Manifest) -> Iterator[str]:
+    """Every tensor name an artifact with ``manifest`` holds, lazily (layer by layer)."""
+    spec = manifest.model_spec
     for i in range(spec.n_layers):
-        for kind in _kinds(spec):
+        for kind in _kinds(spec, manifest):
             yield f"layers.{i}.{kind}"
 
 
@@ -135,7 +145,7 @@ def save_artifact(
     out = Path(out)
     if out.exists() and not force:
         raise ArtifactError(f"{out} already exists: pass --force to replace it")
-    manifest = replace(artifact.manifest, format_version=FORMAT_VERSION, tensors_file=TENSORS)
+    manifest = replace(artifact.manifest, format_version=artifact.manifest.written_version, tensors_file=TENSORS)
     check_tensors(artifact.tensors, _round_trip(replace(manifest, tensors_sha256="0" * 64)))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -144,12 +154,12 @@ def save_artifact(
         save_file(
             {k: v.contiguous() for k, v in artifact.tensors.items()},
             str(tensors_path),
-            metadata={"format": "infinigen", "format_version": str(FORMAT_VERSION)},
+            metadata={"format": "infinigen", "format_version": str(manifest.format_version)},
         )
         with tensors_path.open("rb+") as f:
             os.fsync(f.fileno())
         manifest = replace(manifest, tensors_sha256=_sha256(tensors_path))
-        _write_synced(staging / MANIFEST, json.dumps(asdict(manifest), indent=2) + "\n")
+        _write_synced(staging / MANIFEST, json.dumps(manifest.as_json(), indent=2) + "\n")
         _write_synced(staging / CARD, card)
         if write_extra is not None:
             write_extra(staging)
@@ -163,7 +173,7 @@ def save_artifact(
 
 def _round_trip(manifest: Manifest) -> Manifest:
     """``manifest`` as a reader will see it: checked field by field through its JSON."""
-    return manifest_from_json(json.loads(json.dumps(asdict(manifest))), "the manifest to write")
+    return manifest_from_json(json.loads(json.dumps(manifest.as_json())), "the manifest to write")
 
 
 def _replace_folder(new: Path, target: Path) -> None:
@@ -244,12 +254,12 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> No
 
 def _check_layout(layout: Mapping[str, tuple[tuple[int, ...], str]], manifest: Manifest) -> None:
     """Names, shapes and dtypes (safetensors' names), checked without building the expected set."""
-    spec, n_channels = manifest.model_spec, manifest.n_channels
-    expected = {name: expected_tensor(name, spec, n_channels) for name in layout}  # at most one per tensor given
+    spec = manifest.model_spec
+    expected = {name: expected_tensor(name, manifest) for name in layout}  # at most one per tensor given
     unexpected = sorted(name for name, entry in expected.items() if entry is None)
-    if unexpected or len(layout) != spec.n_layers * len(_kinds(spec)):
+    if unexpected or len(layout) != spec.n_layers * len(_kinds(spec, manifest)):
         # every given name is expected and unique: with the right count, none is missing
-        missing = list(islice((name for name in expected_names(spec) if name not in layout), 3))
+        missing = list(islice((name for name in expected_names(manifest) if name not in layout), 3))
         raise ArtifactError(
             f"artifact tensors do not match its manifest: missing {missing}, unexpected {unexpected[:3]}"
         )
@@ -269,6 +279,8 @@ def _check_values(name: str, tensor: torch.Tensor, head_dim: int) -> None:
         return
     if not bool(torch.isfinite(tensor).all()):
         raise ArtifactError(f"artifact tensor {name} holds NaN or infinite values")
+    if name.endswith(".missed_mass") and tensor.numel() and (tensor.min() < 0 or tensor.max() > 1):
+        raise ArtifactError(f"artifact tensor {name} holds attention mass outside [0, 1]")
     if name.endswith(".skew_matrix"):
         skew = tensor.double()
         eye = torch.eye(skew.shape[-1], dtype=torch.float64)

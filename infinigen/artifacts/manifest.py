@@ -5,7 +5,7 @@ Every field is checked before any record is built: exact types (an integer is a 
 so that no manifest can make a reader build millions of entries. A failure is one line naming the field.
 
 The records also read like the dicts they replaced (``manifest.spec["n_layers"]`` is
-``manifest.spec.n_layers``), and ``dataclasses.asdict(manifest)`` is the JSON on disk, unchanged.
+``manifest.spec.n_layers``), and ``manifest.as_json()`` is the JSON on disk, unchanged.
 """
 
 from __future__ import annotations
@@ -13,14 +13,18 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+from itertools import pairwise
 from typing import Any
 
 from infinigen.architectures import SIGNATURE_PROBES, SUPPORTED, LayerSignature, ModelSpec
 from infinigen.errors import InfinigenError
 
-FORMAT_VERSION = 1  # what save_artifact writes
-READABLE_VERSIONS = (1,)  # what this reader accepts: the one version check is check_version
+# what save_artifact writes: 2 adds the attention statistics (``missed_mass``) that adaptive budgets
+# read; an artifact without them (made before) is written, and read, as version 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # what this reader accepts: the one version check is check_version
+MAX_FRACTIONS = 64  # points of the missed-mass grid
 TENSORS = "skew.safetensors"
 
 # Layers, heads, head_dim and hidden size of any real model are far below this; the bound keeps a
@@ -118,6 +122,20 @@ class Manifest:
     tensors_file: str = TENSORS
     extra: dict = field(default_factory=dict)
     method: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_METHOD))  # others: ablations
+    # version 2: the fractions of the context at which ``layers.i.missed_mass`` is measured (ascending)
+    missed_mass_fractions: tuple[float, ...] = ()
+
+    def as_json(self) -> dict:
+        """The manifest as written: a version-1 manifest has no ``missed_mass_fractions``."""
+        raw = asdict(self)
+        if not self.missed_mass_fractions:
+            del raw["missed_mass_fractions"]
+        return raw
+
+    @property
+    def written_version(self) -> int:
+        """The format version this manifest is written as: 1 without attention statistics."""
+        return FORMAT_VERSION if self.missed_mass_fractions else 1
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -275,6 +293,7 @@ def _manifest(raw: object) -> Manifest:
         tensors_file=_tensors_file(top.raw("tensors_file", TENSORS)),
         extra=_extra(top.raw("extra", {})),
         method=_method(top.raw("method", DEFAULT_METHOD)),
+        missed_mass_fractions=_fractions(top) if version >= 2 else (),
     )
     top.done()
     return manifest
@@ -342,6 +361,17 @@ def _energy(top: _Fields, n_layers: int) -> tuple[EnergyRow, ...]:
         rows.append(EnergyRow(layer, row.number("before"), row.number("after")))
         row.done()
     return tuple(rows)
+
+
+def _fractions(top: _Fields) -> tuple[float, ...]:
+    values = top.array("missed_mass_fractions")
+    if not 2 <= len(values) <= MAX_FRACTIONS:
+        raise _Invalid(f"missed_mass_fractions must hold 2 to {MAX_FRACTIONS} numbers, got {len(values)}")
+    if any(type(value) not in (int, float) or not 0 < value <= 1 for value in values):
+        raise _Invalid("missed_mass_fractions must be numbers in (0, 1]")
+    if any(b <= a for a, b in pairwise(values)):
+        raise _Invalid("missed_mass_fractions must be strictly ascending")
+    return tuple(float(value) for value in values)
 
 
 def _versions(versions: _Fields) -> dict[str, str]:

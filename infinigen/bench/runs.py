@@ -1,9 +1,9 @@
 """Decode-throughput benchmark: every policy through the same runtime path, on one card, in one run.
 
 Random-weight models of known shapes are built directly on the device. Their attention is near
-uniform, so ``infinigen``'s token count then comes from the fixed budget (alpha = inf), as stated
-in the output (``alpha``: None). A real model runs with its artifact and the paper's alpha (or the
-one given), on prompts cut from a text. The pinned host->device bandwidth is measured in the same
+uniform; ``infinigen`` fetches its budget's share of the tokens there as on real weights (the
+paper's alpha count only where given). A real model runs with its artifact, on prompts cut from a
+text. The pinned host->device bandwidth is measured in the same
 process, so every transfer rate can be read as a share of the PCIe limit.
 """
 
@@ -59,8 +59,7 @@ class BenchCase:
     # loop, each layer's selection a CUDA graph (plain ``model.generate``); off: no graphs
     graphs: str = "step"
     ratio: float = DEFAULT_RATIO  # the artifact's partial channels (speculating policies)
-    # further RuntimeConfig fields (a ``settings_grid`` row; None: the field's default). Random
-    # weights run with alpha = inf: their attention is near uniform, so the budget alone sets the count.
+    # further RuntimeConfig fields (a ``settings_grid`` row; None: the field's default)
     runtime: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -179,7 +178,7 @@ def case_settings(case: BenchCase) -> dict:
         **{name: value for name, value in case.runtime.items() if name != "alpha"},
         "graphs": case.graphs if case.ours else None,
         "ratio": case.ratio if policy is not None and policy.speculates else None,
-        # None: no threshold, the budget alone sets the count (random weights); else the count rule's alpha
+        # None: the budget alone sets the count (the default); else the paper's count rule's alpha
         "alpha": alpha if alpha is not None and alpha < math.inf else None,
     }
 
@@ -361,7 +360,6 @@ class Subject:
     shape: str | None  # random weights of this shape; None: real weights
     artifact: Artifact | None = None  # real weights: their checked artifact
     text_ids: torch.Tensor | None = None  # (T,) the text's tokens; None: random prompts
-    alpha: float = math.inf  # the count rule's default: inf for random weights (the budget alone), else the family's
 
 
 def load_subject(
@@ -379,8 +377,7 @@ def load_subject(
     loaded = load_model(model, device=device, dtype=dtype)
     checked = open_artifact(artifact, loaded.model) if artifact is not None else None
     text_ids = loaded.tokenizer(read_text(text), return_tensors="pt").input_ids[0] if text is not None else None
-    alpha = RuntimeConfig().for_model(loaded.model.config.model_type).alpha
-    return Subject(loaded.model, None, checked, text_ids, alpha)
+    return Subject(loaded.model, None, checked, text_ids)
 
 
 def subject_artifacts(subject: Subject, cases: list[BenchCase]) -> dict[float, Artifact | None]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -114,7 +113,7 @@ def inspect(
     from infinigen.artifacts import artifact_folder, load_artifact
 
     checked = load_artifact(artifact_folder(artifact))
-    if printed_json(asdict(checked.manifest), as_json):
+    if printed_json(checked.manifest.as_json(), as_json):
         return
     print_pairs(f"artifact {artifact}", _summary(checked.manifest))
     _print_energy(checked)

@@ -71,7 +71,7 @@ def bench(
 ) -> None:
     """Decode throughput of each policy on one model, in one process, with the pinned host->device
     bandwidth measured in the same process. Random weights make attention near uniform, so
-    budgeted policies then fetch a fixed budget (infinigen: alpha = inf unless given).
+    budgeted policies fetch their budget's share of the cached tokens.
 
     Examples:\n
       infinigen bench --shape llama-3-8b --batch 8 --prompt-len 16384 --policy dense,full,infinigen\n
@@ -112,7 +112,6 @@ def bench(
         if not printed_json(report, as_json):
             _print_micro(report)
         return
-    runtime["alpha"] = [subject.alpha if alpha is None else alpha for alpha in runtime["alpha"]]
     cases = bench_cases(settings_grid(runtime), batches, lengths, gen_len, graphs=modes, ratios=ratios)
     artifacts = subject_artifacts(subject, cases)
     bandwidth = pinned_bandwidth(device)
@@ -192,7 +191,7 @@ def _swept(rows: list[dict]) -> dict[str, str]:
 
     names = ["ratio", *(f.name for f in cli_fields())]
     swept = {n: n for n in names if n not in NOT_SETTINGS and len({row.get(n) for row in rows} - {None}) > 1}
-    return swept | {"alpha": "alpha"}  # real weights only (None with random ones: the column is left out)
+    return swept | {"alpha": "alpha"}  # where given (None, the budget alone, leaves the column out)
 
 
 def _print_bench(report: dict) -> None:

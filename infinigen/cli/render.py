@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from rich.console import Console
@@ -13,16 +14,27 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def strict(value):
+    """``value`` with every non-finite float as text ("inf"): strict JSON has no Infinity or NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(item) for item in value]
+    return value
+
+
 def printed_json(report, as_json: bool) -> bool:
     """With --json, print ``report`` for machines (and the caller stops); else do nothing."""
     if as_json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(strict(report), indent=2))
     return as_json
 
 
 def stream_row(row: dict) -> None:
     """A finished row on stderr, as JSON: a run cut off by a time limit keeps the rows it finished."""
-    print(json.dumps(row), file=sys.stderr, flush=True)
+    print(json.dumps(strict(row)), file=sys.stderr, flush=True)
 
 
 def print_rows(title: str, columns: dict[str, str], rows: list[dict]) -> None:

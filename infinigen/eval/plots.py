@@ -18,11 +18,13 @@ def plot_accuracy(report: dict, path: str | Path, metric: str = "perplexity") ->
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6.5, 4.2))
     rows = [dict(r, fraction=r.get("fraction_bytes", r.get("fraction_fetched"))) for r in report["results"]]
+    allocations = {row.get("allocation") for row in rows} - {None}
     for row in rows:  # one line per policy and setting other than the budget
-        alpha = row.get("alpha", 1e9)
-        setting = ""
-        if row["policy"] == "infinigen" and (alpha is None or alpha < 1e6):
-            setting = " α default" if alpha is None else f" α {alpha:g}"
+        alpha = row.get("alpha")  # "inf" in JSON: the budget alone
+        finite = isinstance(alpha, (int, float)) and alpha < 1e6
+        setting = f" α {alpha:g}" if row["policy"] == "infinigen" and finite else ""
+        if len(allocations) > 1 and row.get("allocation"):
+            setting += f" {row['allocation']}"
         if row.get("pool_fraction"):
             setting += f" pool {row['pool_fraction']:g} {row.get('eviction', '')}"
         row.update(policy=row["policy"] + setting, budget=None)

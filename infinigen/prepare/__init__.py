@@ -25,6 +25,7 @@ from infinigen.artifacts.manifest import (  # SKEWS, CHANNEL_RULES: the format n
 )
 from infinigen.errors import InfinigenError
 from infinigen.models import LoadedModel
+from infinigen.prepare.attention_stats import FRACTIONS, missed_mass
 from infinigen.prepare.calibration import CalibrationSample, load_samples
 from infinigen.prepare.capture import capture_qk
 from infinigen.prepare.fold import partial_query_weight
@@ -46,8 +47,8 @@ def n_channels_for(ratio: float, head_dim: int) -> int:
 
 
 @torch.no_grad()
-def capture_calibration(loaded: LoadedModel, samples: list[CalibrationSample], progress: Progress | None = None):
-    """Per layer: (queries (heads, T_total, d), keys (kv_heads, T_total, d)), samples concatenated."""
+def capture_samples(loaded: LoadedModel, samples: list[CalibrationSample], progress: Progress | None = None):
+    """Per layer, per sample: (queries (heads, T, d), keys (kv_heads, T, d))."""
     model = loaded.model
     device = next(model.parameters()).device
     with capture_qk(model) as records:
@@ -55,10 +56,16 @@ def capture_calibration(loaded: LoadedModel, samples: list[CalibrationSample], p
             model(input_ids=sample.input_ids.to(device), use_cache=False)
             if progress:
                 progress("calibration forward", done + 1, len(samples))
-    return {
-        layer: (torch.cat([q for q, _ in pairs], dim=1), torch.cat([k for _, k in pairs], dim=1))
-        for layer, pairs in records.items()
-    }
+    return dict(records)
+
+
+def capture_calibration(loaded: LoadedModel, samples: list[CalibrationSample], progress: Progress | None = None):
+    """Per layer: (queries (heads, T_total, d), keys (kv_heads, T_total, d)), samples concatenated."""
+    return {layer: _concatenated(pairs) for layer, pairs in capture_samples(loaded, samples, progress).items()}
+
+
+def _concatenated(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([q for q, _ in pairs], dim=1), torch.cat([k for _, k in pairs], dim=1)
 
 
 def skew_layer(queries: torch.Tensor, keys: torch.Tensor, n_kv_heads: int, n_channels: int, **method) -> list[HeadSkew]:
@@ -91,14 +98,17 @@ def prepare_artifact(
     spec = model_spec(loaded.model.config)
     n_channels = n_channels_for(ratio, spec.head_dim)
     samples = samples or load_samples(loaded.tokenizer, calibration, tokens=tokens)
-    captured = capture_calibration(loaded, samples, progress)
+    captured = capture_samples(loaded, samples, progress)
     layers = decoder_layers(loaded.model)
     tensors: dict[str, torch.Tensor] = {}
-    energy = []
+    energy, missed = [], []
     generator = torch.Generator().manual_seed(0)
     for i in range(spec.n_layers):
+        pairs = captured.pop(i)
+        # OPT's captured queries carry the attention scaling already; RoPE models' do not
+        missed.append(missed_mass(pairs, layers[i].self_attn.scaling if spec.rope else 1.0))
         method = {"skew": skew, "channel_rule": channel_rule, "generator": generator}
-        heads = skew_layer(*captured.pop(i), spec.n_kv_heads, n_channels, **method)
+        heads = skew_layer(*_concatenated(pairs), spec.n_kv_heads, n_channels, **method)
         skew_matrices = torch.stack([h.skew_matrix for h in heads])
         channels = torch.stack([h.channels for h in heads])
         tensors[f"layers.{i}.skew_matrix"] = skew_matrices
@@ -117,6 +127,9 @@ def prepare_artifact(
         )
         if progress:
             progress("skew per layer", i + 1, spec.n_layers)
+    measured = all(curve is not None for curve in missed)  # else no sample was long enough: version 1
+    if measured:
+        tensors.update({f"layers.{i}.missed_mass": curve for i, curve in enumerate(missed)})
     base_model = BaseModelRecord(
         **asdict(loaded.source), fingerprint=fingerprint(loaded.model), qk_signature=qk_signature(loaded.model)
     )
@@ -132,6 +145,7 @@ def prepare_artifact(
         energy=tuple(energy),
         method={"skew": skew, "channels": channel_rule},
         versions=_versions(),
+        missed_mass_fractions=FRACTIONS if measured else (),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
     return Artifact(manifest, tensors)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache
 from infinigen.architectures import decoder_layers, model_spec
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
+from infinigen.runtime.allocation import offloaded_budgets
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.hooks import attach
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_tokens
@@ -51,7 +52,7 @@ class Diagnostics:
 class InfinigenCache(Cache):
     def __init__(self, model: PreTrainedModel, config: RuntimeConfig, artifact: Artifact | None = None) -> None:
         self.spec = model_spec(model.config)
-        self.config = config = config.for_model(self.spec.model_type)
+        self.config = config
         self.policy = make_policy(config)
         if self.policy.speculates and artifact is None:
             raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
@@ -66,13 +67,18 @@ class InfinigenCache(Cache):
         self.n_offloaded = n_layers - dense
         blocks = decoder_layers(model)
         layers: list = [DenseLayer(runtime=self) for _ in range(dense)]
-        for i in range(dense, n_layers):
+        # each offloaded layer runs with its own share of the budget (``allocation``)
+        self.layer_budgets, self.allocation = offloaded_budgets(
+            config.budget, config.allocation, artifact if self.policy.budgeted else None, range(dense, n_layers)
+        )
+        for i, budget in zip(range(dense, n_layers), self.layer_budgets, strict=True):
             speculator = None
             if self.policy.speculates:
                 param = next(model.parameters())
                 speculator = LayerSpeculator(self.spec, artifact, i, blocks[i].self_attn, param.device, param.dtype)
-            policy = make_policy(config)  # one instance per layer: it keeps the layer's selection state
-            layers.append(OffloadedLayer(i, policy, config, speculator, blocks[i].self_attn, runtime=self))
+            layer_config = replace(config, budget=budget)
+            policy = make_policy(layer_config)  # one instance per layer: it keeps the layer's selection state
+            layers.append(OffloadedLayer(i, policy, layer_config, speculator, blocks[i].self_attn, runtime=self))
         super().__init__(layers=layers)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.decoding = False  # whether the running forward is a decode step (one token per row)
@@ -341,4 +347,5 @@ class InfinigenCache(Cache):
         bits = codec.bits_per_value if codec is not None else 16  # 16-bit KV as the reference
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
         summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
-        return {"policy": self.policy.name, **summary, "replayed_steps": self.replayed_steps}
+        allocation = self.allocation if self.policy.budgeted else None
+        return {"policy": self.policy.name, "allocation": allocation, **summary, "replayed_steps": self.replayed_steps}

@@ -16,7 +16,7 @@ from infinigen.runtime.scoring import (
     quantize_rows,
     store_token_codes,
 )
-from infinigen.runtime.top_slots import CountRule, top_slots
+from infinigen.runtime.top_slots import FORCED, CountRule, top_slots
 
 
 class InfinigenPolicy(Policy):
@@ -57,8 +57,21 @@ class InfinigenPolicy(Policy):
             k_max,
             CountRule(cfg.budget, cfg.alpha, cfg.min_tokens),
             key_scale=None if self.partial_key_scale is None else self.partial_key_scale[:, :, :n],
+            always=always_fetched(layer, n, cfg.sink_tokens, cfg.recent_tokens),
         )
         return Selection(indices=indices, count=count)
+
+
+def always_fetched(layer: LayerView, n: int, sinks: int, recent: int) -> torch.Tensor | None:
+    """(B, kv_heads, n) bool: each row's first ``sinks`` cached slots (after its left padding) and its
+    last ``recent`` slots; None for neither. Slots follow token order while the pool appends (a full
+    pool overwrites slots out of order: its "recent" slots are then the last ones, not the newest)."""
+    if sinks == 0 and recent == 0:
+        return None
+    slots, valid = layer.all_slots(n), layer.valid[:, :, :n]
+    first = valid.int().argmax(dim=-1, keepdim=True)  # (B, kv_heads, 1): the first cached slot
+    always = (slots < first + sinks) | (slots >= layer.device_used() - recent)
+    return always & valid
 
 
 def select_tokens(
@@ -68,11 +81,15 @@ def select_tokens(
     k_max: int,
     rule: CountRule,
     key_scale: torch.Tensor | None = None,  # (B, kv_heads, n) for quantized partial keys
+    always: torch.Tensor | None = None,  # (B, kv_heads, n) bool: slots fetched whatever they score
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculated scores -> (slots (B, kv_heads, k_max) ascending, count (B,) int32): per batch row
     the tokens within alpha of each head's best, averaged over its KV heads, capped by the budget
-    share of the row's own cached tokens (``CountRule``)."""
+    share of the row's own cached tokens (``CountRule``); ``always`` slots rank first."""
     if key_scale is not None and fused_available(partial_keys.device):
         scores, tile_max = fused_group_scores(partial_query, partial_keys, valid, key_scale)
-        return top_slots(scores, rule, k_max, tile_max)
-    return top_slots(group_scores(partial_query, partial_keys, valid, key_scale), rule, k_max)
+    else:
+        scores, tile_max = group_scores(partial_query, partial_keys, valid, key_scale), None
+    if always is not None:
+        scores = scores.masked_fill(always, FORCED)  # tile_max keeps the best speculated score
+    return top_slots(scores, rule, k_max, tile_max)
