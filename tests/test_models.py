@@ -99,7 +99,8 @@ def test_embedded_default_loads(smollm2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_kernel_norm_computes_the_attention_norm(arch, dtype):
     """The selections' one-kernel attention norm gives the model's own norm output (to bfloat16's last
-    bit); OPT's LayerNorm, already one kernel, is passed through as itself."""
+    bit); OPT's LayerNorm, already one kernel, and Gemma 3's RMS norm (``1 + weight``, in float32) are
+    passed through as themselves."""
     from infinigen.architectures import attention_norm, decoder_layers, one_kernel_norm
 
     model = tiny_model(arch, dtype=dtype)
@@ -108,5 +109,5 @@ def test_one_kernel_norm_computes_the_attention_norm(arch, dtype):
         norm.weight.copy_(torch.linspace(0.5, 1.5, norm.weight.numel()))
         x = 4 * torch.randn(3, norm.weight.numel(), generator=torch.Generator().manual_seed(0)).to(dtype)
         fused = one_kernel_norm(norm)
-        assert (fused is norm) == (arch == "opt")
+        assert (fused is norm) == (arch in ("opt", "gemma3"))
         torch.testing.assert_close(fused(x), norm(x), rtol={torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype], atol=0)

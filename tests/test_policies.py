@@ -278,7 +278,9 @@ def test_quest_selects_whole_pages_within_the_cache(tiny_llama):
     device = model.device
     greedy(model, {"input_ids": torch.randint(3, 512, (2, 45), device=device)}, cache, new_tokens=3)
     layer = cache.offloaded[0]
-    selection = layer.policy.select(layer, torch.randn(2, model.config.hidden_size, device=device), cache.rope)
+    selection = layer.policy.select(
+        layer, torch.randn(2, model.config.hidden_size, device=device), cache.rope(layer.index)
+    )
     assert (selection.count % PAGE == 0).all()
     kept = torch.arange(selection.indices.shape[-1], device=device) < selection.count[:, None, None]
     pages = selection.indices.unflatten(-1, (-1, PAGE))
@@ -288,10 +290,26 @@ def test_quest_selects_whole_pages_within_the_cache(tiny_llama):
     assert (selection.indices[attended] < layer.used).all() and selection.indices.max() < layer.capacity
 
 
+@pytest.fixture(scope="module")
+def tiny_setups(tokenizer):
+    """tiny_setup(arch, device), made once per module."""
+    made = {}
+
+    def get(arch: str, device: str):
+        if (arch, device) not in made:
+            made[arch, device] = tiny_setup(tokenizer, arch, device)
+        return made[arch, device]
+
+    return get
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_every_policy_decodes_within_its_budget(tiny_llama, policy):
-    """The shared matrix: each policy through generate() on a padded batch, its fetches within budget."""
-    model, artifact = tiny_llama
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_every_policy_decodes_within_its_budget(tiny_setups, arch, policy, device):
+    """The shared matrix: each policy through generate() on a padded batch, its fetches within budget,
+    and only from the offloaded layers: on tiny Gemma 3 the full-attention layers 3 and 5, never a
+    sliding-window one (prompts of 40 and 64 tokens, window 8)."""
+    model, artifact = tiny_setups(arch, device)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 64)]
     cache = cache_for(model, artifact, policy=policy, budget=0.25)
@@ -301,6 +319,7 @@ def test_every_policy_decodes_within_its_budget(tiny_llama, policy):
     if not POLICIES[policy].offloads:
         assert stats["bytes_host_to_device"] == 0
         return
+    assert set(stats["per_layer"]) == ({3, 5} if arch == "gemma3" else {2})
     fraction = stats["fraction_fetched"]
     assert 0 < fraction <= (0.25 + PAGE / 64 if POLICIES[policy].budgeted else 1.0)
     codec = POLICIES[policy].codec
