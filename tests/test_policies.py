@@ -155,8 +155,9 @@ def test_fused_scores_in_interpreter():
 
 
 def check_rotated_partial_query(device: str) -> None:
-    """The one-kernel partial query of a RoPE model equals the rotation then the projection in PyTorch."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The one-kernel partial query of a RoPE model equals the rotation then the projection in PyTorch:
+    Llama, and a Gemma 3 global layer (q norm, head_dim 256, its own rotary base)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     from infinigen.architectures import model_spec
     from infinigen.runtime.speculation import projected_query, rotated_partial_query, rotated_query
@@ -164,15 +165,20 @@ def check_rotated_partial_query(device: str) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1)
     config.num_attention_heads, config.num_key_value_heads = 4, 2
-    model = LlamaForCausalLM(config).to(device)
-    spec, attention = model_spec(config), model.model.layers[0].self_attn
-    x = torch.randn(3, 1, 64, device=device)
-    positions = torch.tensor([[5, 6], [9, 10], [0, 1]], device=device)  # the last of each row is the token's
-    rope = model.model.rotary_emb(x, positions)
-    projection = torch.randn(spec.n_heads, spec.head_dim, 6, device=device)
-    expected = torch.einsum("bhd,hdr->bhr", rotated_query(attention, spec, x[:, 0], rope), projection)
-    fused = rotated_partial_query(projected_query(attention, spec, x[:, 0]), rope, projection)
-    torch.testing.assert_close(fused, expected)
+    gemma = Gemma3TextConfig(
+        vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    for model, layer, kind in ((LlamaForCausalLM(config), 0, ()), (Gemma3ForCausalLM(gemma), 1, ("full_attention",))):
+        model = model.to(device)
+        spec, attention = model_spec(model.config), model.model.layers[layer].self_attn
+        x = torch.randn(3, 1, 64, device=device)
+        positions = torch.tensor([[5, 6], [9, 10], [0, 1]], device=device)  # the last of each row is the token's
+        rope = model.model.rotary_emb(x, positions, *kind)
+        projection = torch.randn(spec.n_heads, spec.head_dim, 6, device=device)
+        expected = torch.einsum("bhd,hdr->bhr", rotated_query(attention, spec, x[:, 0], rope), projection)
+        fused = rotated_partial_query(projected_query(attention, spec, x[:, 0]), rope, projection)
+        torch.testing.assert_close(fused, expected)
 
 
 @pytest.mark.skipif(scoring.triton is None, reason="triton is not installed")

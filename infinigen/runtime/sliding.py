@@ -2,7 +2,7 @@
 ``window`` slots on the compute device.
 
 Such a layer only ever attends to the last ``window`` tokens (512 on Gemma 3), so its KV is bounded
-whatever the context (0.5 MB per sequence on Gemma-3-270m in float16): it stays on the compute
+whatever the context (0.5 MB per layer and sequence on Gemma-3-270m in float16): it stays on the compute
 device, is neither offloaded nor speculated, and every policy leaves it as it is. What grows with
 the context, and what InfiniGen moves over PCIe, is the KV of the full-attention layers only.
 
