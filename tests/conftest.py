@@ -11,6 +11,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -27,7 +29,12 @@ from transformers import (
 from infinigen.models import LoadedModel, ModelSource, load_model
 from infinigen.prepare.calibration import bundled_text
 
-ARCHITECTURES = ("opt", "llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("opt", "llama", "mistral", "qwen2", "qwen3", "gemma3")
+# tiny Gemma 3: sliding-window layers (window 8) interleaved with full-attention layers 1, 3 and 5; at the
+# default dense_layers=2 layer 1 keeps its KV on the device, 3 and 5 are offloaded (each selected from a
+# sliding layer's input)
+GEMMA3_LAYERS = ("sliding_attention", "full_attention") * 3
+GEMMA3_WINDOW = 8
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 VOCAB = 512
@@ -52,7 +59,8 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **settings):
-    """A 3-layer random model of ``arch``; GQA (4 query heads, 2 KV heads) for the RoPE families.
+    """A 3-layer random model of ``arch``; GQA (4 query heads, 2 KV heads) for the RoPE families; Gemma 3
+    with 6 layers (``GEMMA3_LAYERS``), one KV head of 32 dims and logits scaled by 1/8, not 32**-0.5.
     ``settings``: more config arguments (``attn_implementation="eager"``, ...)."""
     torch.manual_seed(seed)
     common = dict(
@@ -75,6 +83,16 @@ def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
         model = Qwen2ForCausalLM(Qwen2Config(**common, **rope))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, **rope, head_dim=16))
+    elif arch == "gemma3":
+        gemma = dict(common, num_hidden_layers=len(GEMMA3_LAYERS), intermediate_size=128, num_key_value_heads=1)
+        config = Gemma3TextConfig(
+            **gemma,
+            head_dim=32,
+            query_pre_attn_scalar=64,
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=list(GEMMA3_LAYERS),
+        )
+        model = Gemma3ForCausalLM(config)
     else:
         raise ValueError(arch)
     return model.to(dtype).eval()

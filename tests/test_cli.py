@@ -101,8 +101,11 @@ def test_main_job_default_model(tmp_path):
     assert "decode tok s" in result.stdout and "fraction fetched" in result.stdout
 
 
-def test_generate_batch_json(prepared, tmp_path):
-    folder, out = prepared("llama")
+@pytest.mark.parametrize(("arch", "offloaded"), [("llama", {"2"}), ("gemma3", {"3", "5"})])
+def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
+    """Prepare a checkpoint folder, then decode a batch from it; on tiny Gemma 3 only the full-attention
+    layers are offloaded (the sliding-window ones keep their window on the device)."""
+    folder, out = prepared(arch)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the house was old\nand the street was narrow and the walls were\n")
     args = ("generate", str(folder), "--artifact", str(out), "--batch-file", str(prompts))
@@ -112,7 +115,7 @@ def test_generate_batch_json(prepared, tmp_path):
     report = json.loads(result.stdout)
     assert len(report["outputs"]) == 2 and report["stats"]["batch"] == 2
     assert report["stats"]["new_tokens"] == 6 and 0 < report["stats"]["fraction_fetched"] <= 1
-    assert report["stats"]["bytes_host_to_device"] > 0 and set(report["stats"]["per_layer"]) == {"2"}
+    assert report["stats"]["bytes_host_to_device"] > 0 and set(report["stats"]["per_layer"]) == offloaded
     reusing = invoke(*args, "--reuse-rows")  # rows kept on the GPU between steps: same text, fewer bytes
     assert reusing.exit_code == 0, reusing.output
     again = json.loads(reusing.stdout)

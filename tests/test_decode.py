@@ -37,7 +37,7 @@ def decoded(model, inputs, cache, new_tokens: int = 12, **kwargs) -> torch.Tenso
 
 @pytest.mark.parametrize("block_tokens", [1024, 8])  # 8: the buffers grow every few steps
 @pytest.mark.parametrize("policy", [*EXACT_POLICIES, "dense"])
-@pytest.mark.parametrize("arch", ["opt", "llama"])
+@pytest.mark.parametrize("arch", ["opt", "llama", "gemma3"])
 def test_decode_at_full_budget_is_exact(tokenizer, arch, policy, block_tokens, device):
     model, artifact = tiny_setup(tokenizer, arch, device)
     inputs = prompts_batch(device)

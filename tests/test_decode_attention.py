@@ -20,7 +20,8 @@ def reference(q, k, v, valid, scale):
 
 def check(device, dtype, tolerance):
     generator = torch.Generator().manual_seed(0)
-    for batch, kv_heads, group, head_dim, length, shared in [(2, 3, 4, 16, 300, False), (1, 2, 1, 64, 1000, True)]:
+    shapes = [(2, 3, 4, 16, 300, False), (1, 2, 1, 64, 1000, True), (1, 1, 4, 256, 520, True)]  # last: Gemma-3-270m's
+    for batch, kv_heads, group, head_dim, length, shared in shapes:
         rows = torch.randn(batch, kv_heads, 2, length, head_dim, generator=generator)  # K and V planes, as fetched
         q = torch.randn(batch, kv_heads, group, head_dim, generator=generator)
         valid = torch.rand(batch, 1 if shared else kv_heads, length, generator=generator) > 0.5

@@ -11,6 +11,7 @@ import pytest
 from conftest import tiny_model
 from typer.testing import CliRunner
 
+from infinigen.architectures import SUPPORTED
 from infinigen.artifacts import ArtifactError, load_artifact, read_manifest, render_card, save_artifact
 from infinigen.artifacts.format import MANIFEST
 from infinigen.cli import app
@@ -18,6 +19,8 @@ from infinigen.models import LoadedModel, ModelSource
 from infinigen.prepare import prepare_artifact
 
 DELETE = object()  # an edit that removes the key
+
+MODEL_TYPES = ", ".join(SUPPORTED)  # as the schema names them
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def test_pristine_loads(folder):
         ("spec.n_layers", "3", "spec.n_layers must be an integer in [1, 65536], got '3'"),
         ("spec.n_kv_heads", True, "spec.n_kv_heads must be an integer in [1, 65536], got true"),
         ("spec.head_dim", None, "spec.head_dim must be an integer in [1, 65536], got null"),
-        ("spec.model_type", 7, "spec.model_type must be one of opt, llama, mistral, qwen2, qwen3, got 7"),
+        ("spec.model_type", 7, f"spec.model_type must be one of {MODEL_TYPES}, got 7"),
         ("n_channels", 8.0, "n_channels must be an integer in [1, 16], got 8.0"),
         ("ratio", "0.5", "ratio must be a finite number, got '0.5'"),
         ("ratio", False, "ratio must be a finite number, got false"),
@@ -143,7 +146,7 @@ def test_missing_keys(folder, path, shown):
         ("spec.n_layers", 0, "spec.n_layers must be an integer in [1, 65536], got 0"),
         ("spec.hidden_size", -64, "spec.hidden_size must be an integer in [1, 65536], got -64"),
         ("spec.n_heads", 3, "spec.n_heads 3 is not a multiple of spec.n_kv_heads 2"),
-        ("spec.model_type", "gpt2", "spec.model_type must be one of opt, llama, mistral, qwen2, qwen3, got 'gpt2'"),
+        ("spec.model_type", "gpt2", f"spec.model_type must be one of {MODEL_TYPES}, got 'gpt2'"),
         ("n_channels", 0, "n_channels must be an integer in [1, 16], got 0"),
         ("n_channels", 17, "n_channels must be an integer in [1, 16], got 17"),
         ("n_channels", 7, "n_channels 7 does not follow from ratio 0.5 of head_dim 16 (ceil gives 8)"),

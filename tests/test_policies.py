@@ -155,8 +155,9 @@ def test_fused_scores_in_interpreter():
 
 
 def check_rotated_partial_query(device: str) -> None:
-    """The one-kernel partial query of a RoPE model equals the rotation then the projection in PyTorch."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The one-kernel partial query of a RoPE model equals the rotation then the projection in PyTorch:
+    Llama, and a Gemma 3 global layer (q norm, head_dim 256, its own rotary base)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     from infinigen.architectures import model_spec
     from infinigen.runtime.speculation import projected_query, rotated_partial_query, rotated_query
@@ -164,15 +165,20 @@ def check_rotated_partial_query(device: str) -> None:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1)
     config.num_attention_heads, config.num_key_value_heads = 4, 2
-    model = LlamaForCausalLM(config).to(device)
-    spec, attention = model_spec(config), model.model.layers[0].self_attn
-    x = torch.randn(3, 1, 64, device=device)
-    positions = torch.tensor([[5, 6], [9, 10], [0, 1]], device=device)  # the last of each row is the token's
-    rope = model.model.rotary_emb(x, positions)
-    projection = torch.randn(spec.n_heads, spec.head_dim, 6, device=device)
-    expected = torch.einsum("bhd,hdr->bhr", rotated_query(attention, spec, x[:, 0], rope), projection)
-    fused = rotated_partial_query(projected_query(attention, spec, x[:, 0]), rope, projection)
-    torch.testing.assert_close(fused, expected)
+    gemma = Gemma3TextConfig(
+        vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    for model, layer, kind in ((LlamaForCausalLM(config), 0, ()), (Gemma3ForCausalLM(gemma), 1, ("full_attention",))):
+        model = model.to(device)
+        spec, attention = model_spec(model.config), model.model.layers[layer].self_attn
+        x = torch.randn(3, 1, 64, device=device)
+        positions = torch.tensor([[5, 6], [9, 10], [0, 1]], device=device)  # the last of each row is the token's
+        rope = model.model.rotary_emb(x, positions, *kind)
+        projection = torch.randn(spec.n_heads, spec.head_dim, 6, device=device)
+        expected = torch.einsum("bhd,hdr->bhr", rotated_query(attention, spec, x[:, 0], rope), projection)
+        fused = rotated_partial_query(projected_query(attention, spec, x[:, 0]), rope, projection)
+        torch.testing.assert_close(fused, expected)
 
 
 @pytest.mark.skipif(scoring.triton is None, reason="triton is not installed")
@@ -278,7 +284,9 @@ def test_quest_selects_whole_pages_within_the_cache(tiny_llama):
     device = model.device
     greedy(model, {"input_ids": torch.randint(3, 512, (2, 45), device=device)}, cache, new_tokens=3)
     layer = cache.offloaded[0]
-    selection = layer.policy.select(layer, torch.randn(2, model.config.hidden_size, device=device), cache.rope)
+    selection = layer.policy.select(
+        layer, torch.randn(2, model.config.hidden_size, device=device), cache.rope(layer.index)
+    )
     assert (selection.count % PAGE == 0).all()
     kept = torch.arange(selection.indices.shape[-1], device=device) < selection.count[:, None, None]
     pages = selection.indices.unflatten(-1, (-1, PAGE))
@@ -288,10 +296,26 @@ def test_quest_selects_whole_pages_within_the_cache(tiny_llama):
     assert (selection.indices[attended] < layer.used).all() and selection.indices.max() < layer.capacity
 
 
+@pytest.fixture(scope="module")
+def tiny_setups(tokenizer):
+    """tiny_setup(arch, device), made once per module."""
+    made = {}
+
+    def get(arch: str, device: str):
+        if (arch, device) not in made:
+            made[arch, device] = tiny_setup(tokenizer, arch, device)
+        return made[arch, device]
+
+    return get
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_every_policy_decodes_within_its_budget(tiny_llama, policy):
-    """The shared matrix: each policy through generate() on a padded batch, its fetches within budget."""
-    model, artifact = tiny_llama
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_every_policy_decodes_within_its_budget(tiny_setups, arch, policy, device):
+    """The shared matrix: each policy through generate() on a padded batch, its fetches within budget,
+    and only from the offloaded layers: on tiny Gemma 3 the full-attention layers 3 and 5, never a
+    sliding-window one (prompts of 40 and 64 tokens, window 8)."""
+    model, artifact = tiny_setups(arch, device)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 64)]
     cache = cache_for(model, artifact, policy=policy, budget=0.25)
@@ -301,6 +325,7 @@ def test_every_policy_decodes_within_its_budget(tiny_llama, policy):
     if not POLICIES[policy].offloads:
         assert stats["bytes_host_to_device"] == 0
         return
+    assert set(stats["per_layer"]) == ({3, 5} if arch == "gemma3" else {2})
     fraction = stats["fraction_fetched"]
     assert 0 < fraction <= (0.25 + PAGE / 64 if POLICIES[policy].budgeted else 1.0)
     codec = POLICIES[policy].codec

@@ -9,20 +9,23 @@ import weakref
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import GEMMA3_WINDOW, tiny_model
 from helpers import EXACT, EXACT_POLICIES, greedy, padded_batch, teacher_forced_argmax, tiny_setup
 from transformers import DynamicCache
 
-from infinigen.architectures import decoder_layers, mlp_norm
+from infinigen.architectures import attention_norm, decoder_layers, mlp_norm
 from infinigen.errors import InfinigenError
+from infinigen.models import LoadedModel, ModelSource
+from infinigen.prepare import prepare_artifact
 from infinigen.runtime import InfinigenCache, cache_argument, cache_for
 from infinigen.runtime.layers import OffloadedLayer
 from infinigen.runtime.scoring import LEVELS, code_values
 
 
 @pytest.mark.parametrize("policy", EXACT_POLICIES)
-@pytest.mark.parametrize("arch", ["opt", "llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["opt", "llama", "qwen2", "qwen3", "gemma3"])
 def test_full_budget_is_exact_tiny(tokenizer, arch, policy, device):
+    """Padded prompts of 9 to 23 tokens: on tiny Gemma 3 longer than its sliding window of 8."""
     model, artifact = tiny_setup(tokenizer, arch, device)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (9, 23, 16)]
@@ -42,33 +45,35 @@ def test_budget_one_fetches_every_token_whatever_the_family(tokenizer):
         assert cache_for(model, artifact, budget=1.0, alpha=5.0).config.alpha == 5.0  # given: kept
 
 
-@pytest.mark.parametrize("arch", ["opt", "llama"])
-@pytest.mark.parametrize(
-    ("lookahead_from", "attention_layers", "after_attention"),
-    [("input", 0, (False, False)), ("input", 1, (True, False)), ("attention", 0, (True, True))],
-)
-def test_where_each_selection_reads(
-    tokenizer, arch, device, monkeypatch, lookahead_from, attention_layers, after_attention
-):
+@pytest.mark.parametrize("arch", ["opt", "llama", "gemma3"])
+@pytest.mark.parametrize(("lookahead_from", "attention_layers"), [("input", 0), ("input", 1), ("attention", 0)])
+def test_where_each_selection_reads(tokenizer, arch, device, monkeypatch, lookahead_from, attention_layers):
     """Layer i's one-layer-ahead selection reads the residual stream entering layer i-1, or the one
     after layer i-1's attention (the input of its MLP norm), as ``lookahead_from`` and
-    ``attention_lookahead_layers`` say (layers 1 and 2 offloaded); at budget 1 decoding stays exact."""
+    ``attention_lookahead_layers`` (counted among the offloaded layers) say, under layer i's own
+    attention norm and rotary cos/sin: on tiny Gemma 3 the offloaded layers 1, 3, 5 are global layers
+    selected from sliding ones, whose rotary base differs. At budget 1 decoding stays exact."""
     model, artifact = tiny_setup(tokenizer, arch, device)
     inputs = padded_batch([list(range(3, 20)), list(range(40, 50))], pad=1, device=device)
     expected = greedy(model, inputs, DynamicCache())
     settings = dict(lookahead_from=lookahead_from, attention_lookahead_layers=attention_layers, **EXACT)
     cache = cache_for(model, artifact, dense_layers=1, **settings)
-    seen: dict[tuple[str, int], list[torch.Tensor]] = {}  # (what, layer) -> one (B, hidden) per decode step
+    assert cache.offloaded_indices == ([1, 3, 5] if arch == "gemma3" else [1, 2])
+    seen: dict[tuple[str, int], list] = {}  # (what, layer) -> one entry per decode step
 
-    def record(what: str, layer: int, hidden: torch.Tensor) -> None:
+    def record(what: str, layer: int, hidden: torch.Tensor, rope=None) -> None:
         if hidden.numel() == 2 * hidden.shape[-1]:  # decode steps: one token per row
             seen.setdefault((what, layer), []).append(hidden.reshape(2, hidden.shape[-1]))
+            seen.setdefault((what + " rope", layer), []).append(rope)
 
+    blocks = decoder_layers(model)
     handles = []
-    for j, block in enumerate(decoder_layers(model)[:2]):
+    for j, block in enumerate(blocks):
         handles.append(
             block.register_forward_pre_hook(
-                lambda m, args, kwargs, j=j: record("input", j, args[0] if args else kwargs["hidden_states"]),
+                lambda m, args, kwargs, j=j: record(
+                    "input", j, args[0] if args else kwargs["hidden_states"], kwargs.get("position_embeddings")
+                ),
                 with_kwargs=True,
             )
         )
@@ -76,17 +81,49 @@ def test_where_each_selection_reads(
     real_prefetch = OffloadedLayer.prefetch
 
     def recording_prefetch(layer, hidden, norm, rope):
-        record("selection", layer.index, hidden)
+        record("selection", layer.index, hidden, rope)
+        torch.testing.assert_close(norm(hidden), attention_norm(blocks[layer.index])(hidden))  # its own norm
         return real_prefetch(layer, hidden, norm, rope)
 
     monkeypatch.setattr(OffloadedLayer, "prefetch", recording_prefetch)
     assert torch.equal(greedy(model, inputs, cache), expected)
     for handle in handles:
         handle.remove()
-    for layer, after in zip((1, 2), after_attention, strict=True):
+    for rank, layer in enumerate(cache.offloaded_indices):
+        after = lookahead_from == "attention" or rank < attention_layers
         source = seen["attention" if after else "input", layer - 1]
         assert len(seen["selection", layer]) == len(source) == 11  # one per decode step (the prefill selects nothing)
         assert all(torch.equal(a, b) for a, b in zip(seen["selection", layer], source, strict=True))
+        for used, own, previous in zip(
+            seen["selection rope", layer], seen["input rope", layer], seen["input rope", layer - 1], strict=True
+        ):
+            assert (used is None) == (own is None) == (arch == "opt")
+            if own is not None:
+                assert all(torch.equal(a, b) for a, b in zip(used, own, strict=True))
+                assert torch.equal(own[0], previous[0]) == (arch != "gemma3")  # Gemma 3: another base
+
+
+@pytest.mark.parametrize("policy", ["dense", "full", "infinigen"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_sliding_window_layers_keep_their_window_on_the_device(tokenizer, attention, policy, device):
+    """Gemma 3's sliding-window layers keep their last window of KV on the compute device whatever the
+    policy, as a ring of 8 slots (24 new tokens after padded prompts of 9 to 23 wrap it several
+    times); only full-attention layers past ``dense_layers`` are offloaded. Eager and SDPA models
+    decode exactly as transformers' own cache does."""
+    model = tiny_model("gemma3", attn_implementation=attention).to(device)
+    artifact = prepare_artifact(LoadedModel(model, tokenizer, ModelSource("tiny-gemma3", None, "local")), tokens=128)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (9, 23, 16)]
+    inputs = padded_batch(prompts, pad=1, device=device)
+    expected = greedy(model, inputs, DynamicCache(), new_tokens=24)
+    cache = cache_for(model, artifact, policy=policy, **EXACT)
+    assert torch.equal(greedy(model, inputs, cache, new_tokens=24), expected)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    full = "DenseLayer" if policy == "dense" else "OffloadedLayer"
+    assert kinds == ["SlidingLayer", "DenseLayer", "SlidingLayer", full, "SlidingLayer", full]
+    for layer in cache.layers[::2]:
+        assert layer.capacity == GEMMA3_WINDOW and layer.length == 23 + 23  # the last new token is not stored
+    assert model.config._attn_implementation == attention
 
 
 PROMPTS = [
@@ -223,7 +260,7 @@ def test_bad_settings(tokenizer, settings, message):
 
 
 @pytest.mark.parametrize("policy", ["infinigen", "h2o", "quest", "oracle"])
-@pytest.mark.parametrize("arch", ["opt", "llama"])
+@pytest.mark.parametrize("arch", ["opt", "llama", "gemma3"])
 def test_row_reuse_attends_the_same_rows_and_moves_fewer(tokenizer, arch, policy, device):
     """With row reuse a step moves only the rows its selection adds: the same tokens (the same rows
     attended, in other positions), the same fraction attended, fewer bytes moved."""
@@ -240,9 +277,17 @@ def test_row_reuse_attends_the_same_rows_and_moves_fewer(tokenizer, arch, policy
     assert 0 < after["bytes_host_to_device"] < before["bytes_host_to_device"]
 
 
-def test_post_norm_opt_is_refused_clearly():
-    with pytest.raises(InfinigenError, match=r"OPT with post-norm layers \(do_layer_norm_before=False"):
-        cache_for(tiny_model("opt", do_layer_norm_before=False), policy="full")
+@pytest.mark.parametrize(
+    ("arch", "setting", "message"),
+    [
+        ("opt", {"do_layer_norm_before": False}, r"OPT with post-norm layers \(do_layer_norm_before=False"),
+        ("gemma3", {"attn_logit_softcapping": 50.0}, r"^attention logit soft-capping \(attn_logit_softcapping=50.0\)"),
+        ("gemma3", {"use_bidirectional_attention": True}, r"^bidirectional attention"),
+    ],
+)
+def test_unsupported_attention_is_refused_clearly(arch, setting, message):
+    with pytest.raises(InfinigenError, match=message):
+        cache_for(tiny_model(arch, **setting), policy="full")
 
 
 def test_infinigen_needs_an_artifact():
@@ -285,9 +330,11 @@ def test_a_failed_forward_keeps_no_reference_to_its_cache(tokenizer, monkeypatch
 
 
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
-def test_chunked_prefill_is_exact(tokenizer, policy, device):
-    """transformers' chunked prefill: later chunks attend over the pool's rows; same tokens as dense."""
-    model, artifact = tiny_setup(tokenizer, "llama", device)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_chunked_prefill_is_exact(tokenizer, arch, policy, device):
+    """transformers' chunked prefill: later chunks attend over the pool's rows (and Gemma 3's sliding
+    layers over the last window's, 8-token chunks of a 23-token prompt); same tokens as dense."""
+    model, artifact = tiny_setup(tokenizer, arch, device)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (9, 23)]
     inputs = padded_batch(prompts, pad=1, device=device)
@@ -326,17 +373,19 @@ def test_beam_search_is_refused_clearly(tokenizer):
         )
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "gemma3"])
 def test_oracle_selects_the_exact_top_k(tokenizer, arch, monkeypatch):
-    """Against logits from q/k captured in a plain forward (no cache): same sets, per KV head."""
+    """Against logits from q/k captured in a plain forward (no cache): same sets, per KV head, in the
+    first offloaded layer (Gemma 3's: a global layer, with its own rotary base)."""
     from infinigen.prepare.capture import capture_qk
 
     model, _ = tiny_setup(tokenizer, arch, "cpu")
     ids = torch.randint(3, 512, (1, 41), generator=torch.Generator().manual_seed(4))
     with capture_qk(model) as records, torch.no_grad():
         model(ids, use_cache=False)
-    q, k = records[2][0]  # layer 2: q (heads, 41, d), k (kv_heads, 41, d)
     cache = cache_for(model, policy="oracle", budget=0.25)
+    target = cache.offloaded_indices[0]  # the first: its input is exact (later ones follow a selection)
+    q, k = records[target][0]  # q (heads, 41, d), k (kv_heads, 41, d)
     selections = []
     real_fetch = cache.fetch
 
@@ -349,7 +398,7 @@ def test_oracle_selects_the_exact_top_k(tokenizer, arch, monkeypatch):
     with torch.no_grad():
         model(ids[:, :40], **{name: cache})
         model(ids[:, 40:], **{name: cache})
-    (selection,) = [sel for index, sel in selections if index == 2]
+    (selection,) = [sel for index, sel in selections if index == target]
     count = int(selection.count[0])
     assert count == 10  # 25% of 40 cached tokens
     logits = torch.einsum("hd,htd->ht", q[:, -1], k[:, :40].repeat_interleave(q.shape[0] // k.shape[0], 0))

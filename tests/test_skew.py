@@ -10,12 +10,14 @@ import scipy.linalg
 import torch
 from conftest import ARCHITECTURES
 
-from infinigen.architectures import model_spec
+from infinigen.architectures import attention_norm, decoder_layers, model_spec
 from infinigen.errors import InfinigenError
 from infinigen.prepare import capture_calibration, prepare_artifact, skew_layer
 from infinigen.prepare.calibration import load_samples
+from infinigen.prepare.capture import capture_qk
 from infinigen.prepare.fold import skew_model_in_place
 from infinigen.prepare.skew import right_singular_vectors, score_energy, skew_head
+from infinigen.runtime.speculation import LayerSpeculator
 
 
 def max_relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -153,6 +155,39 @@ def test_opt_folded_partial_query_matches_skewed_query(tiny):
     for head in range(4):
         expected = (q[head].double() @ skew[head])[:, channels[head]]
         torch.testing.assert_close(x @ weight[head].T, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_rope_partial_query_is_the_skewed_query_in_logit_units(tiny, arch):
+    """The runtime's partial query of a RoPE layer, from the layer's attention input and rotary cos/sin,
+    is the query its attention computes (q norm, RoPE) skewed, cut to the kept channels and scaled as
+    the attention scales its logits: Gemma 3 by query_pre_attn_scalar**-0.5 (1/8 here), not 32**-0.5."""
+    loaded = tiny(arch)
+    model, spec = loaded.model, model_spec(loaded.model.config)
+    artifact = prepare_artifact(loaded, tokens=64)
+    layer = spec.n_layers - 1  # on tiny Gemma 3 a full-attention layer
+    block = decoder_layers(model)[layer]
+    seen = {}
+    hooks = [
+        attention_norm(block).register_forward_hook(lambda module, args, out: seen.update(x=out[:, -1])),
+        block.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.update(rope=kwargs["position_embeddings"]), with_kwargs=True
+        ),
+    ]
+    with capture_qk(model) as records, torch.no_grad():
+        model(input_ids=load_samples(loaded.tokenizer, tokens=64)[0].input_ids, use_cache=False)
+        speculator = LayerSpeculator(spec, artifact, layer, block.self_attn, "cpu", torch.float32)
+        partial = speculator.partial_query(seen["x"], seen["rope"])[0]  # (heads, r, zero-padded)
+    for hook in hooks:
+        hook.remove()
+    query = records[layer][0][0][:, -1].double()  # (heads, d): the last token's
+    skew, channels = artifact.skew_matrix(layer).double(), artifact.channels(layer)
+    scale = block.self_attn.scaling
+    assert scale == (64**-0.5 if arch == "gemma3" else spec.head_dim**-0.5)
+    for head in range(spec.n_heads):
+        kv_head = head // spec.group_size
+        expected = (query[head] @ skew[kv_head])[channels[kv_head]] * scale
+        torch.testing.assert_close(partial[head, : channels.shape[1]].double(), expected, atol=1e-5, rtol=1e-4)
 
 
 def test_opt_skewed_checkpoint_has_identical_logits(tiny):

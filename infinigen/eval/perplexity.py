@@ -19,13 +19,14 @@ def pool_settings(model: PreTrainedModel, settings: dict, tokens: int, batch: in
     """``cpu_pool_gb`` (and a block size that divides it) for a pool of ``tokens`` tokens per sequence
     and offloaded layer under ``settings``: rows sized as the policy stores them (compressed ones
     are smaller), over the layers it offloads."""
-    from infinigen.architectures import model_spec
+    from infinigen.architectures import model_spec, sliding_windows
     from infinigen.runtime.policies import POLICIES
 
     spec, config = model_spec(model.config), config_from(settings)
     policy = POLICIES[config.policy]
     stored = spec.head_dim if policy.codec is None else policy.codec.stored_dim(spec.head_dim, model.dtype)
-    offloaded = spec.n_layers - min(config.dense_layers, spec.n_layers) if policy.offloads else 0
+    windows = sliding_windows(model.config)  # sliding-window layers are never offloaded
+    offloaded = sum(w is None and i >= config.dense_layers for i, w in enumerate(windows)) if policy.offloads else 0
     tokens -= tokens % block_tokens
     nbytes = tokens * offloaded * batch * spec.n_kv_heads * 2 * stored * model.dtype.itemsize
     return {"cpu_pool_gb": (nbytes + 0.5) / 1e9, "block_tokens": block_tokens}  # + half a byte: no rounding down

@@ -9,6 +9,7 @@ most mass per token are taken first (exact for piecewise-linear convex curves).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 
 import numpy as np
@@ -67,10 +68,10 @@ def layer_budgets(missed: torch.Tensor, fractions: torch.Tensor, budget: float) 
     return [min(1.0, value) for value in share]
 
 
-def offloaded_budgets(budget: float, allocation: str, artifact, layers: range) -> tuple[list[float], str]:
-    """Each offloaded layer's budget, and the allocation that gave them: "adaptive" needs an artifact
-    with attention statistics (version 2); without one the budget is uniform."""
-    if allocation == "uniform" or artifact is None or artifact.missed_mass(layers.start) is None:
+def offloaded_budgets(budget: float, allocation: str, artifact, layers: Sequence[int]) -> tuple[list[float], str]:
+    """Each offloaded layer's budget (``layers``: their indices), and the allocation that gave them:
+    "adaptive" needs an artifact with attention statistics (version 2); without one it is uniform."""
+    if allocation == "uniform" or artifact is None or not layers or artifact.missed_mass(layers[0]) is None:
         return [budget] * len(layers), "uniform"
     missed = torch.stack([artifact.missed_mass(i).mean(dim=0) for i in layers])  # (layers, F): heads averaged
     fractions = torch.tensor(artifact.manifest.missed_mass_fractions)

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from infinigen.architectures import decoder_layers, model_spec
+from infinigen.architectures import decoder_layers, model_spec, sliding_windows
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.runtime.allocation import offloaded_budgets
@@ -25,6 +25,7 @@ from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.hooks import attach
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_tokens
 from infinigen.runtime.policies import Selection, make_policy
+from infinigen.runtime.sliding import SlidingLayer
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
 from infinigen.runtime.streams import side_stream
@@ -60,27 +61,40 @@ class InfinigenCache(Cache):
             raise InfinigenError(
                 f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed"
             )
-        if self.policy.speculates and config.dense_layers < 1:
+        # Sliding-window layers keep their window on the device whatever the policy (``SlidingLayer``);
+        # of the others, layers 0 .. dense_layers-1 keep their KV there too, the rest are offloaded.
+        # ``dense_layers`` counts layers, not full-attention ones: what it guards against, speculating
+        # from a residual stream that is still changing fast, depends on the depth alone.
+        windows = sliding_windows(model.config)
+        dense = self.spec.n_layers if not self.policy.offloads else config.dense_layers
+        self.offloaded_indices = [i for i, window in enumerate(windows) if window is None and i >= dense]
+        self.n_offloaded = len(self.offloaded_indices)
+        if self.policy.speculates and 0 in self.offloaded_indices:
             raise InfinigenError("speculation needs the previous layer: dense_layers must be at least 1")
-        n_layers = self.spec.n_layers
-        dense = n_layers if not self.policy.offloads else min(config.dense_layers, n_layers)
-        self.n_offloaded = n_layers - dense
         blocks = decoder_layers(model)
-        layers: list = [DenseLayer(runtime=self) for _ in range(dense)]
         # each offloaded layer runs with its own share of the budget (``allocation``)
         self.layer_budgets, self.allocation = offloaded_budgets(
-            config.budget, config.allocation, artifact if self.policy.budgeted else None, range(dense, n_layers)
+            config.budget, config.allocation, artifact if self.policy.budgeted else None, self.offloaded_indices
         )
-        for i, budget in zip(range(dense, n_layers), self.layer_budgets, strict=True):
-            speculator = None
-            if self.policy.speculates:
-                param = next(model.parameters())
-                speculator = LayerSpeculator(self.spec, artifact, i, blocks[i].self_attn, param.device, param.dtype)
-            layer_config = replace(config, budget=budget)
-            policy = make_policy(layer_config)  # one instance per layer: it keeps the layer's selection state
-            layers.append(OffloadedLayer(i, policy, layer_config, speculator, blocks[i].self_attn, runtime=self))
+        budgets = dict(zip(self.offloaded_indices, self.layer_budgets, strict=True))
+        layers: list = []
+        for i, window in enumerate(windows):
+            if window is not None:
+                layers.append(SlidingLayer(window, runtime=self))
+            elif i not in budgets:
+                layers.append(DenseLayer(runtime=self))
+            else:
+                speculator = None
+                if self.policy.speculates:
+                    param = next(model.parameters())
+                    speculator = LayerSpeculator(self.spec, artifact, i, blocks[i].self_attn, param.device, param.dtype)
+                layer_config = replace(config, budget=budgets[i])
+                policy = make_policy(layer_config)  # one instance per layer: it keeps the layer's selection state
+                layers.append(OffloadedLayer(i, policy, layer_config, speculator, blocks[i].self_attn, runtime=self))
         super().__init__(layers=layers)
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the running forward's rotary (cos, sin) by layer type (None: one for every layer; hooks.py)
+        self.ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rope_types = tuple(getattr(model.config, "layer_types", None) or (None,) * self.spec.n_layers)
         self.decoding = False  # whether the running forward is a decode step (one token per row)
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
@@ -118,6 +132,11 @@ class InfinigenCache(Cache):
         if self.closed:
             raise InfinigenError("this cache is closed: make a new one with infinigen.cache_for(model)")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer``'s rotary (cos, sin) in the running forward (its type's own where types
+        differ: Gemma 3's local and global layers have different bases); None without RoPE."""
+        return self.ropes.get(self.rope_types[layer], self.ropes.get(None))
 
     @property
     def offloaded(self) -> list[OffloadedLayer]:

@@ -7,6 +7,9 @@ model lives (``attach``), removed with the last one.
 - On each decoder block: bind the running cache to the block's attention (unbound after the block,
   also when it raised), and during decode start the selection and prefetch of the next layer
   (``_step_hook``, ``_after_attention_hook``).
+- On the stack's rotary embedding: keep each rotary (cos, sin) it computes for the running cache, by
+  layer type (``_rope_hook``): a selection one layer ahead needs its target layer's before that layer
+  runs, and Gemma 3's local and global layers have different ones.
 
 Nothing else is left on the model: the implementation is switched for the forward only, and the
 hooks go when the last cache is closed or collected.
@@ -14,6 +17,7 @@ hooks go when the last cache is closed or collected.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import weakref
 from collections.abc import Callable
@@ -74,6 +78,9 @@ class Attachment:
         stack = decoder_stack(model)
         self.handles.append(stack.register_forward_pre_hook(self._begin, with_kwargs=True))
         self.handles.append(stack.register_forward_hook(self._end, always_call=True))
+        rotary = getattr(stack, "rotary_emb", None)
+        if rotary is not None:
+            self.handles.append(rotary.register_forward_hook(self._rope_hook, with_kwargs=True))
         blocks = decoder_layers(model)
         norms = [one_kernel_norm(attention_norm(block)) for block in blocks]  # for the selections' inputs
         for j, block in enumerate(blocks):
@@ -98,6 +105,14 @@ class Attachment:
         self.own = [config._attn_implementation_internal for config in self.configs]
         for config in self.configs:
             config._attn_implementation_internal = ATTENTION
+
+    def _rope_hook(self, rotary: nn.Module, args, kwargs, output) -> None:
+        """After the stack's rotary embedding: its (cos, sin) for the running cache, under the layer type
+        it was computed for (Gemma 3 computes one per type: ``forward(x, position_ids, layer_type)``),
+        or None (one for every layer)."""
+        if self.running is not None:
+            layer_type = args[2] if len(args) > 2 else kwargs.get("layer_type")
+            self.running.ropes[layer_type] = output
 
     def _end(self, *hook_args) -> None:
         """After the stack's forward, or its exception: the model's own implementation again."""
@@ -129,20 +144,22 @@ def _unbind(block: nn.Module, args, output) -> None:
 
 def _prefetch(cache, targets: list[int], hidden: torch.Tensor, norms: list[Norm]) -> None:
     """Start the selection and fetch of the ``targets`` layers from ``hidden`` (B, 1, hidden), each
-    normalised with its target's own attention norm."""
+    with its target's own attention norm and rotary cos/sin. Sliding-window and dense layers select
+    nothing (only offloaded layers do)."""
     for target in targets:
         layer = cache.layers[target] if target < len(norms) else None
         if isinstance(layer, OffloadedLayer) and layer.is_initialized:
-            layer.prefetch(hidden[:, 0], norms[target], cache.rope)
+            layer.prefetch(hidden[:, 0], norms[target], cache.rope(target))
 
 
 def _reads_input(cache, layer: int) -> bool:
     """Whether ``layer``'s one-layer-ahead selection reads the residual stream entering the previous
     layer; if not, the residual after the previous layer's attention (``lookahead_from ==
-    "attention"``, and the first ``attention_lookahead_layers`` offloaded layers)."""
-    first_offloaded = cache.spec.n_layers - cache.n_offloaded
+    "attention"``, and the first ``attention_lookahead_layers`` offloaded layers, counted among the
+    offloaded ones: Gemma 3's sliding layers between them count for nothing)."""
     config = cache.config
-    return config.lookahead_from == "input" and layer >= first_offloaded + config.attention_lookahead_layers
+    earlier = bisect.bisect_left(cache.offloaded_indices, layer)  # offloaded layers before ``layer``
+    return config.lookahead_from == "input" and earlier >= config.attention_lookahead_layers
 
 
 def _step_hook(attachment: Attachment, j: int, norms: list[Norm]):
@@ -159,7 +176,6 @@ def _step_hook(attachment: Attachment, j: int, norms: list[Norm]):
         bind(block.self_attn, cache)
         hidden = args[0] if args else kwargs["hidden_states"]  # (B, q_len, hidden)
         if j == 0:
-            cache.rope = kwargs.get("position_embeddings")
             cache.decoding = hidden.shape[1] == 1
             if cache.decoding and not cache.driven:
                 cache.begin_decode_step()

@@ -5,7 +5,8 @@ Partial keys: the artifact's kept channels of the skewed keys, ``k @ A[:, channe
 (post-RoPE keys for the Llama family; OPT keys as they are). Partial queries:
 - OPT: ``[x, 1] @ W_partial.T``, W_partial the artifact's folded, scaled, skewed W_q rows;
 - RoPE models: the layer's own q projection (and q norm), RoPE at the current position, then
-  ``q @ (A[:, channels] / sqrt(d))``; the score is in logit units either way.
+  ``q @ (A[:, channels] * s)``, s the attention's own scale (``attention_scale``); the score is in
+  logit units either way.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def projected_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor) -> t
     return attention.q_norm(q) if hasattr(attention, "q_norm") else q
 
 
+def attention_scale(attention: nn.Module, spec: ModelSpec) -> float:
+    """The factor of q·k in a layer's attention logits: the module's own ``scaling`` where it has one
+    (Gemma 3: ``query_pre_attn_scalar**-0.5``, not ``head_dim**-0.5``), else 1/sqrt(head_dim)."""
+    scaling = getattr(attention, "scaling", None)
+    return float(scaling) if scaling is not None else spec.head_dim**-0.5
+
+
 def rotated_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope) -> torch.Tensor:
     """A layer's query for one token, as its attention computes it (RoPE models, unscaled):
     attention input (B, hidden) -> (B, heads, d)."""
@@ -43,7 +51,7 @@ def exact_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope) ->
     """A layer's query for one token scaled so that ``query @ key`` is the attention logit:
     attention input (B, hidden) -> (B, heads, d)."""
     if spec.rope:
-        return rotated_query(attention, spec, x, rope) * spec.head_dim**-0.5
+        return rotated_query(attention, spec, x, rope) * attention_scale(attention, spec)
     return (attention.q_proj(x) * attention.scaling).view(x.shape[0], spec.n_heads, -1)  # OPT scales after
 
 
@@ -66,7 +74,8 @@ class LayerSpeculator(nn.Module):
         self.register_buffer("key_projection", key_columns.to(device, dtype))
         partial_query = artifact.partial_query_weight(layer)
         if partial_query is None:
-            per_query_head = key_columns.repeat_interleave(spec.group_size, dim=0) * spec.head_dim**-0.5
+            scale = attention_scale(attention, spec)
+            per_query_head = key_columns.repeat_interleave(spec.group_size, dim=0) * scale
             self.register_buffer("query_projection", per_query_head.to(device, dtype))  # (heads, d, r)
         else:
             partial_query = F.pad(partial_query, (0, 0, 0, key_columns.shape[-1] - partial_query.shape[1]))
