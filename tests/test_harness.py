@@ -138,3 +138,19 @@ def test_lm_eval_model_scores_instances(tokenizer):
     assert rolling[0] < 0
     generated = lm.generate_until([Instance("generate_until", {}, ("the cat", {"max_gen_toks": 2}), 0)])
     assert len(generated) == 1 and isinstance(generated[0], str)
+
+
+def test_model_args_win_over_lm_evals_own_flags(checkpoint):
+    """lm-eval passes its --batch_size / --device beside --model_args: both may be given, and the
+    model args win (a duplicate keyword was a traceback)."""
+    pytest.importorskip("lm_eval")
+    from infinigen.eval.harness import InfinigenLM
+
+    folder = checkpoint("llama")
+    flags = {"batch_size": 1, "max_batch_size": None, "device": "cuda:7"}
+    lm = InfinigenLM.create_from_arg_string(f"pretrained={folder},policy=dense,device=cpu,batch_size=2", flags)
+    assert lm.harness.batch_size == 2 and lm.device.type == "cpu"
+    assert (
+        InfinigenLM.create_from_arg_string(f"pretrained={folder},policy=dense,device=cpu", flags).harness.batch_size
+        == 1
+    )

@@ -268,6 +268,16 @@ if LM is not None:
             self.harness = HarnessModel.load(pretrained, artifact, device, dtype, batch_size, max_length, **runtime)
 
         @classmethod
+        def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> InfinigenLM:
+            """lm-eval's constructor from ``--model_args``, with its own ``--batch_size`` / ``--device``
+            (``additional_config``) where the model args do not set them: the model args win."""
+            from lm_eval.utils import simple_parse_args_string
+
+            args = simple_parse_args_string(arg_string)
+            extra = {key: value for key, value in (additional_config or {}).items() if value is not None}
+            return cls(**{**extra, **args})
+
+        @classmethod
         def of(cls, harness: HarnessModel) -> InfinigenLM:
             """Wrap an already loaded ``HarnessModel`` (a model in memory, tests)."""
             lm = cls.__new__(cls)
