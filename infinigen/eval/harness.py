@@ -268,14 +268,17 @@ if LM is not None:
             self.harness = HarnessModel.load(pretrained, artifact, device, dtype, batch_size, max_length, **runtime)
 
         @classmethod
-        def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> InfinigenLM:
-            """lm-eval's constructor from ``--model_args``, with its own ``--batch_size`` / ``--device``
+        def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> InfinigenLM:
+            """lm-eval's constructor from the model args, with its own ``--batch_size`` / ``--device``
             (``additional_config``) where the model args do not set them: the model args win."""
+            extra = {key: value for key, value in (additional_config or {}).items() if value is not None}
+            return cls(**{**extra, **arg_dict})
+
+        @classmethod
+        def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> InfinigenLM:
             from lm_eval.utils import simple_parse_args_string
 
-            args = simple_parse_args_string(arg_string)
-            extra = {key: value for key, value in (additional_config or {}).items() if value is not None}
-            return cls(**{**extra, **args})
+            return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
         @classmethod
         def of(cls, harness: HarnessModel) -> InfinigenLM:
