@@ -75,13 +75,17 @@ class DenseLayer(_Layer):
         if key_states.shape[2] > 1 or self.length == 0:
             return self._update_many(key_states, value_states)
         self.reserve(self.length + 1)
-        slot = self.runtime.slot  # (1,) == self.length
+        slot = self.decode_slot()
         self.keys.index_copy_(2, slot, key_states)
         self.values.index_copy_(2, slot, value_states)
         self.valid.index_fill_(2, slot, True)
         self.length += 1
         self.attention_valid = self.valid
         return self.keys, self.values
+
+    def decode_slot(self) -> torch.Tensor:
+        """(1,) on the device: where a decode step's token goes (the cache's ``slot``, == length)."""
+        return self.runtime.slot
 
     def _update_many(self, key_states, value_states):
         start, end = self.length, self.length + key_states.shape[2]

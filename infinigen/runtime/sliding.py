@@ -19,31 +19,19 @@ from __future__ import annotations
 import torch
 
 from infinigen.runtime.buffers import grown_to
-from infinigen.runtime.layers import _Layer
+from infinigen.runtime.layers import DenseLayer
 
 
-class SlidingLayer(_Layer):
+class SlidingLayer(DenseLayer):
     """KV of the last ``window`` tokens in a ring on the compute device. A decode step writes at the
-    cache's device-side ``slot`` modulo ``window``: like ``DenseLayer``, nothing in it depends on the
+    cache's device-side ``slot`` modulo ``window``: as in ``DenseLayer``, nothing in it depends on the
     length, so a captured decode step replays unchanged (and the ring, once full, never grows)."""
 
     is_sliding = True
 
     def __init__(self, window: int, runtime) -> None:
-        super().__init__()
+        super().__init__(runtime)
         self.window = window
-        self.runtime = runtime  # the InfinigenCache: its ``slot``
-        self.valid: torch.Tensor | None = None  # (B, 1, capacity) bool: the slot holds a token (not padding)
-        self.attention_valid: torch.Tensor | None = None  # (B, 1, capacity) for the current decode step
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.keys, self.values = key_states[:, :, :0].clone(), value_states[:, :, :0].clone()
-        self.valid = torch.zeros(key_states.shape[0], 1, 0, dtype=torch.bool, device=key_states.device)
-        self.is_initialized = True
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
 
     def _room(self, tokens: int) -> int:
         """Slots needed for ``tokens`` tokens seen: all of them until the window is full."""
@@ -68,19 +56,8 @@ class SlidingLayer(_Layer):
     def get_max_length(self) -> int:
         return self.window
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if key_states.shape[2] > 1 or self.length == 0:
-            return self._update_many(key_states, value_states)
-        self.reserve(self.length + 1)
-        slot = self.runtime.slot % self.window  # (1,): the slot of the token that left the window
-        self.keys.index_copy_(2, slot, key_states)
-        self.values.index_copy_(2, slot, value_states)
-        self.valid.index_fill_(2, slot, True)
-        self.length += 1
-        self.attention_valid = self.valid
-        return self.keys, self.values
+    def decode_slot(self) -> torch.Tensor:
+        return self.runtime.slot % self.window  # the slot of the token that just left the window
 
     def _update_many(self, key_states, value_states):
         start, new = self.length, key_states.shape[2]
@@ -111,6 +88,3 @@ class SlidingLayer(_Layer):
     def grows(self) -> bool:
         """Whether the next decode step's token needs a bigger ring."""
         return self._room(self.length + 1) > self.capacity
-
-    def advance(self) -> None:
-        self.length += 1
