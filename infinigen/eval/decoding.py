@@ -17,6 +17,10 @@ from infinigen.errors import InfinigenError
 from infinigen.runtime import StepGraph
 from infinigen.runtime.generation import prefill
 
+# Prefill in chunks of this many tokens: with a padding mask, SDPA materialises the scores of a
+# chunk against the whole cache, (batch, heads, chunk, T) floats (a 16K window of 13 rows of a
+# 14-head model unchunked: 139 GiB).
+PREFILL_CHUNK = 2048
 GUTENBERG = re.compile(r"\*\*\* ?START OF.*?\*\*\*(.*)\*\*\* ?END OF", re.S)
 
 
@@ -59,13 +63,13 @@ def stepwise_logits(
     attention_mask: torch.Tensor | None = None,
     step: StepGraph | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Prefill ids[:, :prefix] densely, then feed ids[:, prefix:] one token per decode step (a
-    ``StepGraph``: CUDA graphs on CUDA); yields the next-token logits (B, V) after the prefill and
-    after every step. ``attention_mask`` (B, T): 0 at left padding (positions then count real tokens
-    only, as ``generate`` does)."""
+    """Prefill ids[:, :prefix] densely (in chunks of ``PREFILL_CHUNK``), then feed ids[:, prefix:]
+    one token per decode step (a ``StepGraph``: CUDA graphs on CUDA); yields the next-token logits
+    (B, V) after the prefill and after every step. ``attention_mask`` (B, T): 0 at left padding
+    (positions then count real tokens only, as ``generate`` does)."""
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    yield prefill(model, cache, ids[:, :prefix], mask[:, :prefix])
+    yield prefill(model, cache, ids[:, :prefix], mask[:, :prefix], PREFILL_CHUNK)
     step = step or StepGraph(model, cache)
     for t in range(prefix, ids.shape[1]):
         yield step(ids[:, t : t + 1], positions[:, t : t + 1]).clone()  # the graph's buffer is reused
