@@ -347,6 +347,29 @@ def test_chunked_prefill_is_exact(tokenizer, arch, policy, device):
     assert torch.equal(out[:, inputs["input_ids"].shape[1] :], expected)
 
 
+def test_prefill_chunks_count_in_bytes_not_in_the_fraction_fetched(tokenizer, device):
+    """A later prefill chunk re-reads every cached row (a multi-token step attends densely): those
+    bytes are moved and counted, but the fraction fetched is that of the decode steps alone."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(2)).to(device)
+    prompt, name = 32, cache_argument(model)
+    summaries = []
+    for chunk in (prompt, 8):
+        cache = cache_for(model, artifact, policy="oracle", budget=0.25, allocation="uniform")
+        with torch.no_grad():
+            for start in range(0, prompt, chunk):
+                model(ids[:, start : start + chunk], **{name: cache})
+            for t in range(prompt, ids.shape[1]):
+                model(ids[:, t : t + 1], **{name: cache})
+        summaries.append(cache.summary())
+    whole, chunked = summaries
+    assert chunked["fraction_fetched"] == whole["fraction_fetched"] == pytest.approx(0.25, abs=0.05)
+    layers, kv_heads = len(cache.offloaded), model.config.num_key_value_heads
+    reread = (8 + 16 + 24) * 2 * kv_heads * layers  # chunks 2-4 re-read 8, 16, 24 tokens of 2 rows
+    row_bytes = cache.offloaded[0].pool.row_bytes
+    assert chunked["bytes_host_to_device"] - whole["bytes_host_to_device"] == reread * row_bytes
+
+
 def test_sampling_matches_dense_at_full_budget(tokenizer, device):
     model, artifact = tiny_setup(tokenizer, "qwen2", device)
     inputs = {"input_ids": torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(2)).to(device)}

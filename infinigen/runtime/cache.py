@@ -249,18 +249,20 @@ class InfinigenCache(Cache):
         batch, kv_heads = layer.valid.shape[:2]
         return self.all_slots(layer.used).expand(batch, kv_heads, layer.used)
 
-    def fetch(self, layer: OffloadedLayer, selection: Selection, valid: torch.Tensor | None = None) -> Fetched:
+    def fetch(
+        self, layer: OffloadedLayer, selection: Selection, valid: torch.Tensor | None = None, step: bool = True
+    ) -> Fetched:
         """Start moving the selected rows of ``layer`` into a staging buffer; ``valid``: their
-        ``fetch_mask`` (computed here when not given)."""
+        ``fetch_mask`` (computed here when not given); ``step``: False for a multi-token step."""
         indices, count = self._indices(layer, selection), selection.count
         if valid is None:
             valid = self.fetch_mask(layer, selection)
         if self.config.reuse_rows and self.policy.budgeted:
-            return self._fetch_new_rows(layer, indices, count, valid)
+            return self._fetch_new_rows(layer, indices, count, valid, step)
         batch, kv_heads, k = indices.shape
         parity = layer.index % 2
         rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
-        self._count(layer, count if count is not None else k)
+        self._count(layer, count if count is not None else k, step=step)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         packed = None
@@ -270,25 +272,25 @@ class InfinigenCache(Cache):
         ready = self._move(layer, indices, count, moved)
         return Fetched(rows, valid, indices, ready, packed, layer.policy.codec)
 
-    def _fetch_new_rows(self, layer: OffloadedLayer, indices, count, valid) -> Fetched:
+    def _fetch_new_rows(self, layer: OffloadedLayer, indices, count, valid, step: bool) -> Fetched:
         """``fetch`` with row reuse: the rows selected again stay where they are on the GPU, and only
         the rows the selection adds move, into the positions the dropped ones free (``reuse``)."""
         k = indices.shape[-1]
         resident = layer.resident_rows(k)
         placement = resident.place(indices, valid[:, :, :k])
-        self._count(layer, placement.count.double().mean(dim=1), count if count is not None else k)
+        self._count(layer, placement.count.double().mean(dim=1), count if count is not None else k, step)
         slots = resident.slots.clamp(min=0)
         # the move starts after everything the compute stream reads from this stream (its ready event)
         ready = self._move(layer, placement.missing, placement.count, resident.rows, placement.destination)
         return Fetched(resident.rows, placement.attend, slots, ready)
 
-    def _count(self, layer: OffloadedLayer, moved, attended=None) -> None:
+    def _count(self, layer: OffloadedLayer, moved, attended=None, step: bool = True) -> None:
         """A fetch's statistics: rows per head moved (B,) or int, and attended where that differs
         (row reuse); a captured step's are recorded after each replay (``replayed``)."""
         if self.capturing:
             layer.captured_moved, layer.captured_attended = moved, attended
         else:
-            layer.stats.record(moved, layer.cached_tokens(), *layer.valid.shape[:2], attended=attended)
+            layer.stats.record(moved, layer.cached_tokens(), *layer.valid.shape[:2], attended=attended, step=step)
 
     def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""

@@ -328,7 +328,7 @@ class OffloadedLayer(_Layer):
         return selection, self.runtime.fetch_mask(self, selection)
 
     def _fetch_all(self) -> Fetched:
-        return self.runtime.fetch(self, Selection())
+        return self.runtime.fetch(self, Selection(), step=False)
 
     def _update_decode(self, key_states, value_states):
         fetched = self.fetched if self.fetched is not None else self.runtime.fetch(self, self.every_slot())

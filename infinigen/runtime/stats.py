@@ -23,16 +23,20 @@ class LayerStats:
     evicted_tokens: int = 0  # tokens (summed over batch rows) overwritten in this layer's full pool
     kv_heads: int = 0
     batch: int = 0
-    pending: list[tuple[Value, Value, Value]] = field(default_factory=list)  # (moved, attended, cached) per fetch
+    pending: list[tuple[Value, Value, Value, bool]] = field(default_factory=list)  # (moved, attended, cached, step)
     moved: torch.Tensor | None = None  # rows per head moved, summed over the reduced steps and batch rows (float64)
     fractions: list[torch.Tensor] = field(default_factory=list)  # per reduced chunk: (steps,) float64
 
-    def record(self, moved: Value, cached: Value, batch: int, kv_heads: int, attended: Value | None = None) -> None:
+    def record(
+        self, moved: Value, cached: Value, batch: int, kv_heads: int, attended: Value | None = None, step: bool = True
+    ) -> None:
         """One fetch: ``moved`` rows per (batch row, head) out of ``cached`` tokens per batch row, each
         (B,) or one int for all rows; ``attended``: the rows the step attends, where some were already
-        on the GPU (row reuse; None: the moved ones). No host sync; device work once per CHUNK fetches."""
+        on the GPU (row reuse; None: the moved ones). ``step``: False for a multi-token step's fetch
+        (a prefill chunk re-reads every cached row): its bytes count, but the fractions fetched are
+        those of decode steps. No host sync; device work once per CHUNK fetches."""
         self.batch, self.kv_heads = batch, kv_heads
-        self.pending.append((moved, moved if attended is None else attended, cached))
+        self.pending.append((moved, moved if attended is None else attended, cached, step))
         if len(self.pending) == CHUNK:
             self._reduce()
 
@@ -40,18 +44,20 @@ class LayerStats:
         """Fold the pending fetches into the running total and the per-step fractions."""
         if not self.pending:
             return
+        pending, self.pending = self.pending, []
         # every value on one device: a step's ints (e.g. a fixed count) beside another's (B,) tensors
-        tensors = (value for fetch in self.pending for value in fetch if isinstance(value, torch.Tensor))
+        tensors = (value for fetch in pending for value in fetch[:3] if isinstance(value, torch.Tensor))
         device = next(tensors, torch.empty(0)).device
-        moved, attended, cached = (_per_step(values, self.batch, device) for values in zip(*self.pending, strict=True))
-        self.pending = []
-        total = moved.sum()
+        total = _per_step(tuple(fetch[0] for fetch in pending), self.batch, device).sum()
         if self.moved is None:
             self.moved = total
         else:  # in place: no buffer is freed that another stream may still read
             self.moved += total
-        # a bulk fetch also moves a padded row's padding slots: it still fetched all of the row's KV
-        self.fractions.append((attended / cached.clamp(min=1)).clamp(max=1).mean(dim=1))
+        steps = [fetch for fetch in pending if fetch[3]]
+        if steps:
+            attended, cached = (_per_step(values, self.batch, device) for values in list(zip(*steps, strict=True))[1:3])
+            # a bulk fetch also moves a padded row's padding slots: it still fetched all of the row's KV
+            self.fractions.append((attended / cached.clamp(min=1)).clamp(max=1).mean(dim=1))
 
     def fetched_total(self) -> int:
         self._reduce()
