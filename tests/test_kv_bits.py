@@ -9,6 +9,7 @@ from conftest import run_in_interpreter
 from helpers import padded_batch, teacher_forced_argmax, teacher_forced_logits, tiny_setup
 from transformers import DynamicCache
 
+from infinigen.eval.perplexity import pool_settings
 from infinigen.runtime import cache_for, int8_rows, transfer
 from infinigen.runtime.config import settings_grid
 from infinigen.runtime.pool import KVPool, row_bytes
@@ -168,6 +169,8 @@ def test_8_bit_rows_change_the_bytes_reported(tokenizer):
     limited = {bits: cache_for(model, policy="full", cpu_pool_gb=1e-3, kv_bits=bits) for bits in (16, 8)}
     tokens = {bits: cache.pool_limit(1, torch.float32) for bits, cache in limited.items()}
     assert tokens[8] > 3 * tokens[16]
+    sized = {bits: pool_settings(model, {"policy": "full", "kv_bits": bits}, 64, 1)["cpu_pool_gb"] for bits in (16, 8)}
+    assert sized[8] == pytest.approx(sized[16] * ratio, rel=1e-3)  # eval's --cpu-pool-fraction pools (+ half a byte)
 
 
 def test_kv_bits_sweeps_only_policies_that_offload_plain_rows():
