@@ -370,14 +370,18 @@ class InfinigenCache(Cache):
         pool_bytes = sum(layer.pool.nbytes for layer in offloaded)
         summary = summarize(offloaded, row_bytes, wait_ms, pool_bytes)
         codec, kv_bits = self.policy.codec, self.config.kv_bits
-        bits = codec.bits_per_value if codec is not None else kv_bits  # 16-bit KV as the reference
-        bits = int8_rows.bits_per_value(self.spec.head_dim) if kv_bits == 8 else bits  # the scales included
+        if codec is not None:
+            bits = codec.bits_per_value
+        elif kv_bits == 8:
+            bits = int8_rows.bits_per_value(self.spec.head_dim)  # the scales included
+        else:
+            bits = 16  # 16-bit KV as the reference
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
         summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
         allocation = self.allocation if self.policy.budgeted else None
         head = {
             "policy": self.policy.name,
             "allocation": allocation,
-            "kv_bits": kv_bits if self.policy.offloads else None,
+            "kv_bits": kv_bits if self.policy.offloads and self.policy.plain_rows else None,  # else n/a
         }
         return head | summary | {"replayed_steps": self.replayed_steps}
