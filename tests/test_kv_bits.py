@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import run_in_interpreter
+from conftest import run_in_interpreter, tiny_model
 from helpers import padded_batch, teacher_forced_argmax, teacher_forced_logits, tiny_setup
 from transformers import DynamicCache
 
+from infinigen.errors import InfinigenError
 from infinigen.eval.perplexity import pool_settings
 from infinigen.runtime import cache_for, int8_rows, transfer
 from infinigen.runtime.config import settings_grid
@@ -171,6 +172,12 @@ def test_8_bit_rows_change_the_bytes_reported(tokenizer):
     assert tokens[8] > 3 * tokens[16]
     sized = {bits: pool_settings(model, {"policy": "full", "kv_bits": bits}, 64, 1)["cpu_pool_gb"] for bits in (16, 8)}
     assert sized[8] == pytest.approx(sized[16] * ratio, rel=1e-3)  # eval's --cpu-pool-fraction pools (+ half a byte)
+
+
+def test_8_bit_rows_need_a_head_dim_that_keeps_their_scales_aligned():
+    model = tiny_model("llama", head_dim=18)
+    with pytest.raises(InfinigenError, match="^kv_bits 8 needs a head_dim that is a multiple of 4, not 18$"):
+        cache_for(model, policy="full", kv_bits=8)
 
 
 def test_kv_bits_sweeps_only_policies_that_offload_plain_rows():

@@ -68,6 +68,8 @@ class InfinigenCache(Cache):
             raise InfinigenError(
                 f"kv_bits {config.kv_bits} is for policies that offload rows: {config.policy!r} {where}"
             )
+        if config.kv_bits == 8 and self.spec.head_dim % 4:  # the gather reads each row's scales as float32
+            raise InfinigenError(f"kv_bits 8 needs a head_dim that is a multiple of 4, not {self.spec.head_dim}")
         # Sliding-window layers keep their window on the device whatever the policy (``SlidingLayer``);
         # of the others, layers 0 .. dense_layers-1 keep their KV there too, the rest are offloaded.
         # ``dense_layers`` counts layers, not full-attention ones: what it guards against, speculating
