@@ -35,11 +35,15 @@ def tiny_setup(tokenizer, arch: str, device: str):
 EXACT_POLICIES = ["full", "infinigen", "quest", "oracle"]  # lossless at budget 1 (h2o keeps a prompt-sized cache)
 
 
-def teacher_forced_argmax(model, ids: torch.Tensor, prefix: int, cache) -> torch.Tensor:
-    """Prefill ids[:, :prefix], then feed the true tokens one by one; next-token argmax at each step."""
+def teacher_forced_logits(model, ids: torch.Tensor, prefix: int, cache) -> torch.Tensor:
+    """Prefill ids[:, :prefix], then feed the true tokens one by one; next-token logits at each step."""
     name = cache_argument(model)
     with torch.no_grad():
         logits = [model(ids[:, :prefix], **{name: cache}).logits[:, -1]]
         for t in range(prefix, ids.shape[1] - 1):
             logits.append(model(ids[:, t : t + 1], **{name: cache}).logits[:, -1])
-    return torch.stack(logits, dim=1).argmax(-1)
+    return torch.stack(logits, dim=1)
+
+
+def teacher_forced_argmax(model, ids: torch.Tensor, prefix: int, cache) -> torch.Tensor:
+    return teacher_forced_logits(model, ids, prefix, cache).argmax(-1)

@@ -153,13 +153,23 @@ def test_decode_needs_an_infinigen_cache(tokenizer):
 
 
 @pytest.mark.parametrize(
-    ("policy", "reuse_rows"),
-    [("infinigen", False), ("full", False), ("quest", False), ("int4", False), ("infinigen", True), ("quest", True)],
+    ("policy", "reuse_rows", "kv_bits"),
+    [
+        ("infinigen", False, 16),
+        ("full", False, 16),
+        ("quest", False, 16),
+        ("int4", False, 16),
+        ("infinigen", True, 16),
+        ("quest", True, 16),
+        ("full", False, 8),
+        ("infinigen", True, 8),
+    ],
 )
 @torch.no_grad()
-def test_step_graph_replays_the_eager_step_exactly(tokenizer, policy, reuse_rows, device):
+def test_step_graph_replays_the_eager_step_exactly(tokenizer, policy, reuse_rows, kv_bits, device):
     """On CUDA, steps are captured and replayed (across pool growth: 8-token blocks); the logits equal
-    those of the same steps run eagerly (graphs off), bit for bit."""
+    those of the same steps run eagerly (graphs off), bit for bit; with 8-bit rows too (quantised
+    as captured writes, dequantised by the captured gather)."""
     if device != "cuda":
         pytest.skip("CUDA graphs need CUDA")
     model, artifact = tiny_setup(tokenizer, "llama", device)
@@ -167,6 +177,7 @@ def test_step_graph_replays_the_eager_step_exactly(tokenizer, policy, reuse_rows
     runs = []
     for graphs in (False, True):
         settings = dict(policy=policy, budget=0.3, block_tokens=8, cuda_graphs=graphs, reuse_rows=reuse_rows)
+        settings["kv_bits"] = kv_bits
         cache = cache_for(model, artifact, **settings)
         logits = prefill(model, cache, inputs["input_ids"], inputs["attention_mask"])
         step, position = StepGraph(model, cache), inputs["attention_mask"].sum(-1, keepdim=True) - 1

@@ -251,6 +251,9 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"gather_rows": 12}, "gather_rows must be a power of two"),
         ({"gather_programs": 0}, "gather_programs must be >= 1"),
         ({"reuse_rows": True, "policy": "int4"}, "reuse_rows keeps decoded rows: not for 'int4'"),
+        ({"kv_bits": 4}, "kv_bits must be one of 16, 8"),
+        ({"kv_bits": 8, "policy": "int2"}, "^kv_bits 8 is for policies that offload rows: 'int2' stores rows in its"),
+        ({"kv_bits": 8, "policy": "dense"}, "^kv_bits 8 is for policies that offload rows: 'dense' keeps its KV on"),
     ],
 )
 def test_bad_settings(tokenizer, settings, message):

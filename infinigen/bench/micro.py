@@ -4,6 +4,7 @@ against a dense decode layer, each timed as decode steps run them (CUDA graph re
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import statistics
 import time
@@ -43,17 +44,19 @@ def micro_gather(
     contexts: list[int],
     fractions: list[float],
     bulk: float | None,
+    kv_bits: list[int],
 ) -> list[dict]:
     """The selective gather alone (one layer, batch 1, random sorted slots per head) against the
-    same run's pinned bulk copy (``bulk`` GB/s; None on CPU): GB/s and share of it per context and fraction. On
+    same run's pinned bulk copy (``bulk`` GB/s; None on CPU): GB/s and share of it per context,
+    fraction and row format (``kv_bits``; GB/s of bytes moved, 8-bit rows dequantised on the way). On
     CUDA the gathers are replayed from a CUDA graph, as decode steps run them, several back to back:
     the figure is the device's time per call, not the host's launch cost."""
     from infinigen.runtime.pool import KVPool
 
     rows = []
     generator = torch.Generator().manual_seed(0)
-    for context in contexts:
-        pool = KVPool(1, kv_heads, head_dim, dtype, torch.device(device), block_tokens=1024)
+    for context, bits in itertools.product(contexts, kv_bits):
+        pool = KVPool(1, kv_heads, head_dim, dtype, torch.device(device), block_tokens=1024, kv_bits=bits)
         pool.reserve(context)
         for fraction in fractions:
             k = max(1, round(fraction * context))
@@ -65,6 +68,7 @@ def micro_gather(
             rows.append(
                 {
                     "context": context,
+                    "kv_bits": bits,
                     "fraction": fraction,
                     "bytes": nbytes,
                     "ms": round(ms, 3),
@@ -143,8 +147,9 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
     return rows
 
 
-def micro_report(model: PreTrainedModel, contexts: list[int], budget: float) -> dict:
-    """``bench --micro``: the gather over fractions of each context, and speculation at ``budget``."""
+def micro_report(model: PreTrainedModel, contexts: list[int], budget: float, kv_bits: list[int]) -> dict:
+    """``bench --micro``: the gather over fractions of each context in each row format, and
+    speculation at ``budget``."""
     from infinigen.architectures import model_spec
     from infinigen.prepare import DEFAULT_RATIO, n_channels_for
     from infinigen.runtime.speculation import padded_channels
@@ -157,6 +162,6 @@ def micro_report(model: PreTrainedModel, contexts: list[int], budget: float) -> 
     bulk = pinned_bandwidth(device)  # None on CPU
     return {
         "pinned_h2d_gb_s": round(bulk, 1) if bulk is not None else None,
-        "gather": micro_gather(device, param.dtype, spec.n_kv_heads, spec.head_dim, contexts, fractions, bulk),
+        "gather": micro_gather(device, param.dtype, spec.n_kv_heads, spec.head_dim, contexts, fractions, bulk, kv_bits),
         "speculation": micro_speculation(model, budget, 1, contexts, rank),
     }

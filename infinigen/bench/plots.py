@@ -39,13 +39,16 @@ def plot_bench(report: dict, path: str | Path) -> Path:
 
 
 def plot_micro(report: dict, path: str | Path) -> Path:
-    """`bench --micro`: the selective gather's GB/s vs MB per call, one line per context, beside the
-    same run's pinned bulk copy (and 80% of it); speculation per layer vs our dense layer per context."""
+    """`bench --micro`: the selective gather's GB/s vs MB per call, one line per context (dashed for
+    8-bit rows), beside the same run's pinned bulk copy (and 80% of it); speculation per layer vs our
+    dense layer per context."""
     plt = pyplot()
     figure, (gather, speculation) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for context in sorted({row["context"] for row in report["gather"]}):
-        rows = sorted((r for r in report["gather"] if r["context"] == context), key=lambda r: r["bytes"])
-        gather.plot([r["bytes"] / 1e6 for r in rows], [r["gb_s"] for r in rows], marker="o", label=tokens(context))
+    for context, bits in sorted({(row["context"], row["kv_bits"]) for row in report["gather"]}):
+        rows = [r for r in report["gather"] if (r["context"], r["kv_bits"]) == (context, bits)]
+        rows.sort(key=lambda r: r["bytes"])
+        label, style = (tokens(context), "-") if bits == 16 else (f"{tokens(context)}, {bits}-bit", "--")
+        gather.plot([r["bytes"] / 1e6 for r in rows], [r["gb_s"] for r in rows], style, marker="o", label=label)
     bulk = report.get("pinned_h2d_gb_s")
     if bulk:
         gather.axhline(bulk, color="black", linewidth=1, label=f"pinned copy {bulk:g} GB/s")

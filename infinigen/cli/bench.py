@@ -106,7 +106,7 @@ def bench(
         "weights_gb": round(weights_gb, 2),
     }
     if micro:
-        report |= micro_report(subject.model, contexts, runtime["budget"][0])
+        report |= micro_report(subject.model, contexts, runtime["budget"][0], runtime["kv_bits"])
         if plot is not None:
             report["plot"] = str(plot_micro(report, plot))
         if not printed_json(report, as_json):
@@ -158,7 +158,8 @@ def _print_micro(report: dict) -> None:
     gather = [
         row | {"mb": f"{row['bytes'] / 1e6:.2f}", "share": _percent(row["share_of_bulk"])} for row in report["gather"]
     ]
-    columns = {"context": "context", "fraction": "fraction", "MB": "mb", "ms": "ms", "GB/s": "gb_s"}
+    columns = {"context": "context", "kv bits": "kv_bits", "fraction": "fraction", "MB": "mb", "ms": "ms"}
+    columns |= {"GB/s": "gb_s"}
     print_rows("selective gather, one layer", columns | {"of bulk copy": "share"}, gather)
     speculation = [row | {"share": f"{row['speculation_share']:.0%}"} for row in report["speculation"]]
     columns = {"context": "context", "speculation ms": "speculation_ms", "dense layer ms": "dense_layer_ms"}

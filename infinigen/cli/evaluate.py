@@ -111,14 +111,15 @@ def ppl(
     if printed_json(report, as_json):
         return
     title = f"{report['model']}: {ids.shape[0]} x {window}-token windows of {text.name}, last {window - prefix} decoded"
-    columns = {"policy": "policy", "budget": "budget", "perplexity": "perplexity"}
-    columns |= {"fraction fetched": "fraction_fetched", "recall": "recall", "tokens scored": "tokens_scored"}
+    columns = {"policy": "policy", "budget": "budget", "kv bits": "kv_bits", "perplexity": "perplexity"}
+    columns |= {"fraction fetched": "fraction_fetched", "fraction of bytes": "fraction_bytes"}
+    columns |= {"recall": "recall", "tokens scored": "tokens_scored"}
     print_rows(title, columns, rows)
 
 
 def _setting_label(settings: dict) -> str:
-    budget = settings.get("budget")
-    return settings["policy"] + ("" if budget is None else f" {budget:g}")
+    budget, kv_bits = settings.get("budget"), settings.get("kv_bits")
+    return settings["policy"] + ("" if budget is None else f" {budget:g}") + (f" {kv_bits}-bit" if kv_bits == 8 else "")
 
 
 @on_eval

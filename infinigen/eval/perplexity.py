@@ -17,18 +17,19 @@ from infinigen.runtime.config import config_from
 
 def pool_settings(model: PreTrainedModel, settings: dict, tokens: int, batch: int, block_tokens: int = 16) -> dict:
     """``cpu_pool_gb`` (and a block size that divides it) for a pool of ``tokens`` tokens per sequence
-    and offloaded layer under ``settings``: rows sized as the policy stores them (compressed ones
-    are smaller), over the layers it offloads."""
+    and offloaded layer under ``settings``: rows sized as the policy stores them (compressed or 8-bit
+    ones are smaller), over the layers it offloads."""
     from infinigen.architectures import model_spec, sliding_windows
     from infinigen.runtime.policies import POLICIES
+    from infinigen.runtime.pool import row_bytes
 
     spec, config = model_spec(model.config), config_from(settings)
     policy = POLICIES[config.policy]
-    stored = spec.head_dim if policy.codec is None else policy.codec.stored_dim(spec.head_dim, model.dtype)
     windows = sliding_windows(model.config)  # sliding-window layers are never offloaded
     offloaded = sum(w is None and i >= config.dense_layers for i, w in enumerate(windows)) if policy.offloads else 0
     tokens -= tokens % block_tokens
-    nbytes = tokens * offloaded * batch * spec.n_kv_heads * 2 * stored * model.dtype.itemsize
+    stored = row_bytes(spec.head_dim, model.dtype, policy.codec, config.kv_bits)
+    nbytes = tokens * offloaded * batch * spec.n_kv_heads * stored
     return {"cpu_pool_gb": (nbytes + 0.5) / 1e9, "block_tokens": block_tokens}  # + half a byte: no rounding down
 
 

@@ -20,11 +20,13 @@ from transformers.cache_utils import Cache
 from infinigen.architectures import decoder_layers, model_spec, sliding_windows
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
+from infinigen.runtime import int8_rows
 from infinigen.runtime.allocation import offloaded_budgets
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.hooks import attach
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_tokens
 from infinigen.runtime.policies import Selection, make_policy
+from infinigen.runtime.pool import row_bytes
 from infinigen.runtime.sliding import SlidingLayer
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
@@ -61,6 +63,13 @@ class InfinigenCache(Cache):
             raise InfinigenError(
                 f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed"
             )
+        if config.kv_bits != 16 and not (self.policy.offloads and self.policy.plain_rows):
+            where = "keeps its KV on the device" if not self.policy.offloads else "stores rows in its own codes"
+            raise InfinigenError(
+                f"kv_bits {config.kv_bits} is for policies that offload rows: {config.policy!r} {where}"
+            )
+        if config.kv_bits == 8 and self.spec.head_dim % 4:  # the gather reads each row's scales as float32
+            raise InfinigenError(f"kv_bits 8 needs a head_dim that is a multiple of 4, not {self.spec.head_dim}")
         # Sliding-window layers keep their window on the device whatever the policy (``SlidingLayer``);
         # of the others, layers 0 .. dense_layers-1 keep their KV there too, the rest are offloaded.
         # ``dense_layers`` counts layers, not full-attention ones: what it guards against, speculating
@@ -149,8 +158,8 @@ class InfinigenCache(Cache):
 
     def pool_limit(self, batch: int, dtype: torch.dtype) -> int | None:
         """Tokens per (batch row, KV head) each offloaded layer's pool may hold (whole blocks)."""
-        row_bytes = 2 * self.stored_dim(dtype) * dtype.itemsize
-        tokens = pool_tokens(self.config.cpu_pool_gb, self.n_offloaded, batch, self.spec.n_kv_heads, row_bytes)
+        nbytes = row_bytes(self.spec.head_dim, dtype, self.policy.codec, self.config.kv_bits)
+        tokens = pool_tokens(self.config.cpu_pool_gb, self.n_offloaded, batch, self.spec.n_kv_heads, nbytes)
         if tokens is None:
             return None
         tokens -= tokens % self.config.block_tokens if tokens >= self.config.block_tokens else 0
@@ -364,9 +373,19 @@ class InfinigenCache(Cache):
         row_bytes = offloaded[0].pool.row_bytes if offloaded else 0
         pool_bytes = sum(layer.pool.nbytes for layer in offloaded)
         summary = summarize(offloaded, row_bytes, wait_ms, pool_bytes)
-        codec = self.policy.codec
-        bits = codec.bits_per_value if codec is not None else 16  # 16-bit KV as the reference
+        codec, kv_bits = self.policy.codec, self.config.kv_bits
+        if codec is not None:
+            bits = codec.bits_per_value
+        elif kv_bits == 8:
+            bits = int8_rows.bits_per_value(self.spec.head_dim)  # the scales included
+        else:
+            bits = 16  # 16-bit KV as the reference
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
         summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
         allocation = self.allocation if self.policy.budgeted else None
-        return {"policy": self.policy.name, "allocation": allocation, **summary, "replayed_steps": self.replayed_steps}
+        head = {
+            "policy": self.policy.name,
+            "allocation": allocation,
+            "kv_bits": kv_bits if self.policy.offloads and self.policy.plain_rows else None,  # else n/a
+        }
+        return head | summary | {"replayed_steps": self.replayed_steps}

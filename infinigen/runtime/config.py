@@ -19,12 +19,13 @@ PolicyName = Literal["dense", "full", "infinigen", "h2o", "quest", "oracle", "in
 Eviction = Literal["counter", "fifo", "lru"]
 LookaheadFrom = Literal["input", "attention"]
 PartialKeyBits = Literal[4, 8, 16]
+KVBits = Literal[16, 8]
 Allocation = Literal["adaptive", "uniform"]
 
 
 def option(default: Any, help: str, *, applies_to: tuple[str, ...] = (), cli: bool = True) -> Any:
     """A config field with its command-line help. ``applies_to``: the ``Policy`` flags (``speculates``,
-    ``budgeted``, ``offloads``, ``lookahead``) of the policies it changes, all of them set; a sweep
+    ``budgeted``, ``offloads``, ``lookahead``, ``plain_rows``) of the policies it changes, all of them set; a sweep
     varies it only for them. ``cli``: False for fields the command line leaves at their default."""
     return field(default=default, metadata={"help": help, "applies_to": applies_to, "cli": cli})
 
@@ -106,6 +107,14 @@ class RuntimeConfig:
         "infinigen's partial key cache on the GPU: 4 (two codes a byte + a scale per token) | 8 | 16.",
         applies_to=("speculates",),
     )
+    # int8 codes with a float32 scale per (token, KV head, K/V): FP8 e4m3 lost more perplexity on
+    # SmolLM2 (ACCURACY.md, "8-bit rows")
+    kv_bits: KVBits = option(
+        16,
+        "Bits per K/V value in the CPU pool and over the bus: 16 (the model's dtype) | 8 (int8 with a "
+        "scale per token, KV head and K/V, dequantised as rows are fetched: about half the bytes).",
+        applies_to=("offloads", "plain_rows"),
+    )
     reuse_rows: bool = option(
         False,
         "Keep each layer's fetched rows on the GPU between steps and move only new ones: fewer bytes, for "
@@ -131,7 +140,7 @@ class RuntimeConfig:
             raise InfinigenError("sink_tokens and recent_tokens must be >= 0")
         if self.min_tokens < 1 or self.block_tokens < 1:
             raise InfinigenError("min_tokens and block_tokens must be >= 1")
-        for name in ("allocation", "eviction", "lookahead_from", "partial_key_bits"):
+        for name in ("allocation", "eviction", "lookahead_from", "partial_key_bits", "kv_bits"):
             choices = get_args(_FIELD_TYPES[name])
             if getattr(self, name) not in choices:
                 shown = ", ".join(map(str, choices))
@@ -151,6 +160,7 @@ _FIELD_TYPES = {
     "eviction": Eviction,
     "lookahead_from": LookaheadFrom,
     "partial_key_bits": PartialKeyBits,
+    "kv_bits": KVBits,
 }
 RUNTIME_FIELDS = tuple(fields(RuntimeConfig))
 

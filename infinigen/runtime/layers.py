@@ -175,6 +175,7 @@ class OffloadedLayer(_Layer):
             self.dtype,
             self.device,
             block_tokens=self.config.block_tokens,
+            kv_bits=self.config.kv_bits,
             gather_rows=self.config.gather_rows,
             gather_programs=self.config.gather_programs,
         )

@@ -2,8 +2,9 @@
 
 Layout: blocks of ``[batch, kv_heads, block_tokens, 2, head_dim]`` (pinned when CUDA is used), so
 one token's K and V of one KV head form one contiguous row of ``2 * head_dim`` elements (512 B at
-head_dim 128 in float16): the unit every fetch moves. The pool grows block by block; nothing is
-ever copied to grow it.
+head_dim 128 in float16): the unit every fetch moves. With ``kv_bits`` 8 a row holds each K and V
+as int8 codes and their scale (``int8_rows``): rows are quantised as they are written and
+dequantised by the gather. The pool grows block by block; nothing is ever copied to grow it.
 
 Row moves between the pool and the compute device go through ``infinigen.runtime.transfer``:
 a zero-copy Triton kernel on CUDA (the GPU reads/writes pinned host memory directly), plain
@@ -14,7 +15,16 @@ from __future__ import annotations
 
 import torch
 
-from infinigen.runtime import transfer
+from infinigen.runtime import int8_rows, transfer
+from infinigen.runtime.policies.base import RowCodec
+
+
+def row_bytes(head_dim: int, dtype: torch.dtype, codec: RowCodec | None, kv_bits: int) -> int:
+    """Bytes of one pool row (K and V of one token and KV head) as stored: what sizes a limited pool
+    before any pool exists (``KVPool.row_bytes`` once one does)."""
+    if kv_bits == 8:
+        return 2 * int8_rows.stored_bytes(head_dim)
+    return 2 * (head_dim if codec is None else codec.stored_dim(head_dim, dtype)) * dtype.itemsize
 
 
 class KVPool:
@@ -22,16 +32,23 @@ class KVPool:
         self,
         batch: int,
         kv_heads: int,
-        head_dim: int,
+        width: int,
         dtype: torch.dtype,
         device: torch.device,
         *,
         block_tokens: int,
+        kv_bits: int = 16,
         gather_rows: int = 16,
         gather_programs: int | None = None,
     ) -> None:
-        self.shape = (batch, kv_heads, block_tokens, 2, head_dim)
-        self.dtype, self.device = dtype, device
+        """``width`` elements of ``dtype`` per K or V: head_dim, or a policy codec's stored width.
+        ``kv_bits`` 8: rows of head_dim values are stored in 8 bits (``int8_rows``), and ``dtype``
+        is the one they are written and gathered in."""
+        self.kv_bits = kv_bits
+        if kv_bits == 8:
+            width, dtype = int8_rows.stored_bytes(width), torch.uint8
+        self.shape = (batch, kv_heads, block_tokens, 2, width)
+        self.dtype, self.device = dtype, device  # as stored
         self.block_tokens = block_tokens
         # the CUDA gather's tuning (``RuntimeConfig.gather_rows``, ``gather_programs``)
         self.gather_rows, self.gather_programs = gather_rows, gather_programs
@@ -65,8 +82,13 @@ class KVPool:
             # from pinned memory without waiting for the device (a pageable copy would wait for the queued work)
             self.block_table = table.to(self.device, non_blocking=True)
 
+    def stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (..., 2, d) as the pool stores them (quantised on their own device with ``kv_bits`` 8)."""
+        return int8_rows.encode(rows) if self.kv_bits == 8 else rows
+
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, T, 2, d) at slots start .. start+T-1 of every (batch, head)."""
+        rows = self.stored(rows)
         end = start + rows.shape[2]
         self.reserve(end)
         for index in range(start // self.block_tokens, (end - 1) // self.block_tokens + 1):
@@ -78,9 +100,10 @@ class KVPool:
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""
-        transfer.scatter_rows(self, slots, rows)
+        transfer.scatter_rows(self, slots, self.stored(rows))
 
     def gather(self, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor, destination=None) -> None:
         """out[b, h, j] = row indices[b, h, j], for j < count[b] or count[b, h] (all j when count is None);
-        with ``destination`` (B, H, K), at out[b, h, destination[b, h, j]] instead."""
+        with ``destination`` (B, H, K), at out[b, h, destination[b, h, j]] instead. 8-bit rows arrive
+        dequantised to ``out``'s dtype."""
         transfer.gather_rows(self, indices, count, out, destination)

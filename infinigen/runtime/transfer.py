@@ -3,7 +3,9 @@
 On CUDA with Triton, the GPU itself reads (gather) and writes (scatter) the selected rows of the
 pinned pool through unified addressing: no CPU-side index_select, no staging copy, no host sync;
 the number of rows to move can live on the GPU (``count``), so a data-dependent selection
-never round-trips to the host. Elsewhere the same operations run as PyTorch indexing.
+never round-trips to the host. 8-bit rows (``int8_rows``) move as stored and are dequantised by the
+gather itself, in registers, into the output's dtype: the bytes over PCIe halve and no second pass
+over the rows is needed. Elsewhere the same operations run as PyTorch indexing.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
+
+from infinigen.runtime import int8_rows
 
 if TYPE_CHECKING:
     from infinigen.runtime.pool import KVPool
@@ -46,10 +50,12 @@ def gather_rows(
     b = torch.arange(batch)[:, None, None].expand(batch, heads, k)
     h = torch.arange(heads)[None, :, None].expand(batch, heads, k)
     blocks, slots = cpu_indices // pool.block_tokens, cpu_indices % pool.block_tokens
-    rows = torch.empty(batch, heads, k, 2, out.shape[-1], dtype=out.dtype)
+    rows = torch.empty(batch, heads, k, *pool.shape[-2:], dtype=pool.dtype)
     for index, block in enumerate(pool.blocks):
         chosen = blocks == index
         rows[chosen] = block[b[chosen], h[chosen], slots[chosen]]
+    if pool.kv_bits == 8:
+        rows = int8_rows.decode(rows, out.dtype)
     past_count = torch.zeros(batch, heads, k, dtype=torch.bool)
     if count is not None:  # rows past the count are zeros, as on CUDA (their slots may be unwritten)
         past_count = torch.arange(k) >= count.cpu().view(batch, -1, 1).expand(batch, heads, 1)
@@ -103,15 +109,22 @@ if triton is not None:
         has_destination: tl.constexpr,
         block_tokens: tl.constexpr,
         head_dim: tl.constexpr,
+        stored_width: tl.constexpr,
+        int8: tl.constexpr,
         row_pow2: tl.constexpr,
         rows_per_chunk: tl.constexpr,
     ):
         """Persistent: a bounded number of programs loop over all (batch*head, chunk of rows) pairs, so
-        the gather keeps enough PCIe reads in flight while leaving SMs to the compute stream."""
+        the gather keeps enough PCIe reads in flight while leaving SMs to the compute stream.
+        With ``int8``, a pool plane is ``stored_width`` bytes: head_dim codes, then the float32 scale
+        whose product with each code is what lands in ``out``."""
         row = 2 * head_dim
         col = tl.arange(0, row_pow2)
-        # column c of a pool row lands in plane c // d (K or V), at c % d
+        in_row = (col < row)[None, :]
+        # column c of a pool row lands in plane c // d (K or V), at c % d; 8-bit rows have a scale
+        # after each plane's codes
         dst_col = (col // head_dim) * plane_stride + col % head_dim
+        code_col = (col // head_dim) * stored_width + col % head_dim
         for chunk in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
             bh = chunk // chunks_per_head
             j = (chunk % chunks_per_head) * rows_per_chunk + tl.arange(0, rows_per_chunk)
@@ -121,9 +134,17 @@ if triton is not None:
             token = tl.load(indices + _offset(bh, k, j, 1), mask=live, other=0)
             base = tl.load(table + token // block_tokens, mask=live, other=0)
             pool_row = _offset(bh, block_tokens, token % block_tokens, 1)  # in the token's block
-            src = base.to(tl.pointer_type(out.dtype.element_ty)) + pool_row * row
-            in_row = (col < row)[None, :]
-            values = tl.load(src[:, None] + col[None, :], mask=live[:, None] & in_row, other=0)
+            if int8:
+                src = base.to(tl.pointer_type(tl.int8)) + pool_row * (2 * stored_width)
+                codes = tl.load(src[:, None] + code_col[None, :], mask=live[:, None] & in_row, other=0)
+                scales = src + head_dim  # K's scale; V's a plane further
+                k_scale = tl.load(scales.to(tl.pointer_type(tl.float32)), mask=live, other=0)
+                v_scale = tl.load((scales + stored_width).to(tl.pointer_type(tl.float32)), mask=live, other=0)
+                scale = tl.where((col < head_dim)[None, :], k_scale[:, None], v_scale[:, None])
+                values = codes.to(tl.float32) * scale
+            else:
+                src = base.to(tl.pointer_type(out.dtype.element_ty)) + pool_row * row
+                values = tl.load(src[:, None] + col[None, :], mask=live[:, None] & in_row, other=0)
             if has_destination:  # rows kept between steps (row reuse) stay: only moved rows are written
                 position = tl.load(destination + _offset(bh, k, j, 1), mask=live, other=0)
                 written = live
@@ -178,6 +199,8 @@ def _launch_gather(
         has_destination=destination is not None,
         block_tokens=pool.block_tokens,
         head_dim=head_dim,
+        stored_width=pool.shape[-1],
+        int8=pool.kv_bits == 8,
         row_pow2=triton.next_power_of_2(row),
         rows_per_chunk=pool.gather_rows,
     )

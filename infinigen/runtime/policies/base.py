@@ -120,6 +120,11 @@ class Policy:
     # state whose shapes depend only on the layer's ``capacity`` (no host syncs, no Python state that
     # changes per step): CUDA graphs capture and replay them.
     codec: RowCodec | None = None
+    plain_rows: ClassVar[bool] = True  # no codec: the pool stores rows as computed, in ``kv_bits`` (set below)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.plain_rows = cls.codec is None  # a flag, for the options that apply only to plain rows
 
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config

@@ -1,0 +1,70 @@
+"""Which 8-bit format for pool rows (``kv_bits`` 8): perplexity of SmolLM2 decoding through the
+runtime with every offloaded layer's new rows rounded to each candidate as they are written (what a
+gather dequantises is exactly that round trip), teacher-forced over the decoded part of each window.
+
+- int8: the runtime's ``int8_rows`` (codes with a float32 scale absmax / 127 per token, KV head, K/V);
+- fp8-scaled: float8 e4m3 with a scale absmax / 448 per token, KV head, K/V (the same bytes);
+- fp8: float8 e4m3 alone (no scale, 4 bytes fewer per row; values beyond +-448 saturate).
+
+    python benchmarks/kv_bits_formats.py BOOK.txt 2048 1792 2      # text, window, prefix, windows
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from infinigen.eval.decoding import read_text, teacher_forced_nll, windows
+from infinigen.models import load_model
+from infinigen.runtime import cache_for, int8_rows
+from infinigen.runtime.layers import OffloadedLayer
+
+E4M3_MAX = 448.0
+
+
+def int8(rows: torch.Tensor) -> torch.Tensor:
+    return int8_rows.decode(int8_rows.encode(rows), rows.dtype)
+
+
+def fp8_scaled(rows: torch.Tensor) -> torch.Tensor:
+    values = rows.float()
+    scale = values.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, 1)
+    return ((values / scale).to(torch.float8_e4m3fn).float() * scale).to(rows.dtype)
+
+
+def fp8(rows: torch.Tensor) -> torch.Tensor:
+    return rows.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(rows.dtype)
+
+
+FORMATS = {"16-bit": None, "int8": int8, "fp8-scaled": fp8_scaled, "fp8": fp8}
+
+
+def main(text: str, window: int, prefix: int, count: int) -> None:
+    loaded = load_model(None, device="cpu", dtype="float32")
+    ids = windows(loaded.tokenizer, read_text(text), window, count)
+    encoded = OffloadedLayer._encoded
+    reference = None
+    for name, round_trip in FORMATS.items():
+
+        def rounded(layer, keys, values, round_trip=round_trip):
+            return encoded(layer, *round_trip(torch.stack([keys, values], dim=3)).unbind(3))
+
+        OffloadedLayer._encoded = encoded if round_trip is None else rounded
+        try:
+            nll = teacher_forced_nll(loaded.model, cache_for(loaded.model, policy="full"), ids, prefix).float()
+        finally:
+            OffloadedLayer._encoded = encoded
+        reference = nll if reference is None else reference
+        change = math.exp(nll.mean() - reference.mean()) - 1
+        print(
+            f"{name:10s} perplexity {math.exp(nll.mean()):.4f} ({change:+.3%}), "
+            f"mean |NLL change| per token {(nll - reference).abs().mean():.4f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
