@@ -118,3 +118,18 @@ def loading_arguments(config, ranks: int) -> dict:
         )
     check_divisible(getattr(config, "num_key_value_heads", None) or config.num_attention_heads, ranks)
     return {"distributed_config": DistributedConfig(tp_size=ranks)}
+
+
+def all_heads(heads: torch.Tensor, attention: nn.Module) -> torch.Tensor:
+    """(this rank's heads, ...) -> (every head of ``attention``, ...), in the projections' shard order:
+    a collective of the TP group (every rank calls it); ``heads`` itself in one process."""
+    weight = attention.k_proj.weight
+    if not is_sharded(weight):
+        return heads
+    import torch
+    import torch.distributed as dist
+
+    heads = heads.contiguous()
+    pieces = [torch.empty_like(heads) for _ in range(weight.device_mesh.size())]
+    dist.all_gather(pieces, heads, group=weight.device_mesh.get_group())  # a 1-D mesh's group: its order
+    return torch.cat(pieces)

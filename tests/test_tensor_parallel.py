@@ -82,27 +82,32 @@ def _tokens(model, prompt: dict[str, torch.Tensor], artifact) -> dict[str, list]
     return tokens
 
 
-def _sharded_generation(rank: int, folder: str, artifact_folder: str, prompt: dict[str, torch.Tensor]) -> dict:
+def _sharded_generation(rank: int, folder: str, artifact_folder: str, prompt: dict, samples: list) -> dict:
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
+    from infinigen.prepare import prepare_artifact
     from infinigen.runtime import cache_for
 
     loaded = load_model(folder, device="cpu")  # sharded: WORLD_SIZE is 2
     artifact = open_artifact(artifact_folder, loaded.model)  # fingerprints the whole weights
+    prepared = prepare_artifact(loaded, samples=samples).tensors  # every rank gathers every head
     with cache_for(loaded.model, artifact, policy="infinigen", budget=0.2) as cache:
         greedy(loaded.model, prompt, cache, 2)
         layer = cache.offloaded[0]
         shapes = {"pool": layer.pool.shape, "valid": tuple(layer.valid.shape)}
         projections = {name: buffer.clone() for name, buffer in layer.speculator.named_buffers()}
-    return {"tokens": _tokens(loaded.model, prompt, artifact), "shapes": shapes, "buffers": projections}
+    tokens = _tokens(loaded.model, prompt, artifact)
+    return {"tokens": tokens, "shapes": shapes, "buffers": projections, "prepared": prepared}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_sharded_tokens_equal_one_process(arch, tmp_path, tokenizer):
     """dense, full, infinigen at 1.0 and at 0.2 (uniform, adaptive, a finite alpha): the tokens of two
     ranks under transformers' tensor parallelism equal one process's; each rank's pool and partial
-    projections hold its KV heads (one of the tiny model's two), sliced from the one artifact."""
+    projections hold its KV heads (one of the tiny model's two), sliced from the one artifact; and
+    prepare on the sharded model builds one process's artifact."""
     from infinigen.artifacts import save_artifact
+    from infinigen.prepare.calibration import load_samples
 
     model, artifact = tiny_setup(tokenizer, arch, "cpu")
     folder, artifact_folder = tmp_path / "model", tmp_path / "artifact"
@@ -112,7 +117,8 @@ def test_sharded_tokens_equal_one_process(arch, tmp_path, tokenizer):
     # the ids, not the text: a checkpoint folder's tokenizer loads as its architecture's class
     prompt = _prompt(tokenizer)
     want = _tokens(model, prompt, artifact)
-    ranks = on_ranks(tmp_path, _sharded_generation, str(folder), str(artifact_folder), prompt)
+    samples = load_samples(tokenizer, None, tokens=128)  # tiny_setup's calibration, as ids
+    ranks = on_ranks(tmp_path, _sharded_generation, str(folder), str(artifact_folder), prompt, samples)
 
     from infinigen.runtime import cache_for
 
@@ -125,6 +131,13 @@ def test_sharded_tokens_equal_one_process(arch, tmp_path, tokenizer):
         kv, queries = slice(rank, rank + 1), slice(2 * rank, 2 * rank + 2)  # 2 query heads per KV head
         assert torch.equal(result["buffers"]["key_projection"], whole["key_projection"][kv])
         assert torch.equal(result["buffers"]["query_projection"], whole["query_projection"][queries])
+        prepared = result["prepared"]  # prepare under tensor parallelism: one process's artifact, up to rounding
+        assert prepared.keys() == artifact.tensors.keys()
+        for name, tensor in artifact.tensors.items():
+            if name.endswith(".channels"):
+                assert torch.equal(prepared[name], tensor), name
+            else:
+                torch.testing.assert_close(prepared[name], tensor, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def _shard_attention(attention: torch.nn.Module, mesh) -> None:
