@@ -35,9 +35,14 @@ class HeadShard:
     group: object | None  # the TP process group; None in one process
 
     @property
+    def kv_count(self) -> int:
+        """This rank's KV heads."""
+        return self.kv_heads.stop - self.kv_heads.start
+
+    @property
     def group_size(self) -> int:
         """Query heads per KV head."""
-        return (self.query_heads.stop - self.query_heads.start) // (self.kv_heads.stop - self.kv_heads.start)
+        return (self.query_heads.stop - self.query_heads.start) // self.kv_count
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -54,6 +59,11 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor (a collective for a ``DTensor``: every rank must call it)."""
     return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters in this process: a rank's shards under tensor parallelism."""
+    return sum((p.to_local() if is_sharded(p) else p).nbytes for p in model.parameters())
 
 
 def _rows(weight: torch.Tensor) -> tuple[int, int, object | None]:
@@ -102,6 +112,7 @@ def world_size() -> int:
 
 
 def rank() -> int:
+    """This process's rank under torchrun (0 without a launcher)."""
     return int(os.environ.get("RANK", "0"))
 
 
@@ -133,3 +144,30 @@ def all_heads(heads: torch.Tensor, attention: nn.Module) -> torch.Tensor:
     pieces = [torch.empty_like(heads) for _ in range(weight.device_mesh.size())]
     dist.all_gather(pieces, heads, group=weight.device_mesh.get_group())  # a 1-D mesh's group: its order
     return torch.cat(pieces)
+
+
+def _group_running() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def together() -> None:
+    """Wait for every rank of the run (nothing in one process): what follows starts on all at once."""
+    if _group_running():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def summed(value: float, device: str) -> float:
+    """``value`` summed over the ranks of the run (itself in one process); ``device``: where the
+    process group's backend reduces (NCCL: the rank's GPU)."""
+    if not _group_running():
+        return value
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return float(total)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import tiny_model
+from conftest import ROOT, tiny_model
 from helpers import greedy, tiny_setup
 
 from infinigen.architectures import decoder_layers, model_spec
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
 )
 RANKS = 2
+NO_PLAN = "opt has no tensor-parallel plan in transformers: run it in one process (no torchrun)"
 INDIVISIBLE = (
     "tensor parallel over 2 ranks needs the KV heads (1) to divide by 2: use a tensor-parallel size that divides 1"
 )
@@ -213,7 +216,7 @@ def test_artifact_slices_per_rank_and_indivisible_heads_fail(tmp_path, tokenizer
 @pytest.mark.parametrize(
     ("arch", "settings", "message"),
     [
-        ("opt", {}, "opt has no tensor-parallel plan in transformers: run it in one process (no torchrun)"),
+        ("opt", {}, NO_PLAN),
         (
             "llama",
             {"num_key_value_heads": 1},
@@ -233,3 +236,17 @@ def test_unshardable_models_fail_before_loading(arch, settings, message, tmp_pat
         load_model(str(folder), device="cpu")
     assert str(error.value) == message
     assert not dist.is_initialized()
+
+
+def test_under_torchrun_rank_0_prints_and_every_rank_fails_in_one_line(tmp_path):
+    """``torchrun -m infinigen generate`` on a model it cannot shard, as ranks 0 and 1 see it: rank 0
+    alone prints its notes, each rank its own one-line error, exit code 2."""
+    folder = tmp_path / "opt"
+    tiny_model("opt").config.save_pretrained(folder)
+    command = [sys.executable, "-m", "infinigen", "generate", str(folder), "--prompt", "hi", "--policy", "full"]
+    notes = {0: ["no CUDA device: running on the CPU (slowly)"], 1: []}
+    for rank in range(RANKS):
+        env = dict(os.environ, WORLD_SIZE=str(RANKS), RANK=str(rank), CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+        result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert (result.returncode, result.stdout) == (2, ""), result.stderr
+        assert result.stderr.splitlines() == [*notes[rank], f"error: rank {rank}: {NO_PLAN}"]

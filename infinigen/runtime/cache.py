@@ -156,9 +156,8 @@ class InfinigenCache(Cache):
         ``cpu_pool_gb`` is the limit of all tensor-parallel ranks together, each holding its share of
         the KV heads: every rank keeps as many tokens as one process would, and evicts the same ones."""
         row_bytes = 2 * self.stored_dim(dtype, self.spec.head_dim) * dtype.itemsize
-        kv_heads = self.shard.kv_heads.stop - self.shard.kv_heads.start
         pool_gb = None if self.config.cpu_pool_gb is None else self.config.cpu_pool_gb / self.shard.ranks
-        tokens = pool_tokens(pool_gb, self.n_offloaded, batch, kv_heads, row_bytes)
+        tokens = pool_tokens(pool_gb, self.n_offloaded, batch, self.shard.kv_count, row_bytes)
         if tokens is None:
             return None
         tokens -= tokens % self.config.block_tokens if tokens >= self.config.block_tokens else 0
