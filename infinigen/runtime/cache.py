@@ -76,7 +76,8 @@ class InfinigenCache(Cache):
         # under tensor parallelism, the heads this rank computes (every head in one process); refuses
         # KV heads that do not divide by the ranks before a forward fails on them
         self.shard = head_shard(blocks[0].self_attn, self.spec.head_dim)
-        # each offloaded layer runs with its own share of the budget (``allocation``)
+        # each offloaded layer runs with its own share of the budget (``allocation``), from the whole
+        # artifact (every head's statistics) on every tensor-parallel rank: the shares one process gives
         self.layer_budgets, self.allocation = offloaded_budgets(
             config.budget, config.allocation, artifact if self.policy.budgeted else None, self.offloaded_indices
         )
