@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ CASES = {
     "infinigen-0.2": dict(policy="infinigen", budget=0.2, allocation="uniform"),
     "infinigen-0.2-adaptive": dict(policy="infinigen", budget=0.2),
     "infinigen-0.2-alpha": dict(policy="infinigen", budget=0.2, alpha=2.0, allocation="uniform"),
+    # the other policies read their layer's sizes the same way
+    **{policy: dict(policy=policy, budget=0.2) for policy in ("quest", "oracle", "h2o", "int4")},
 }
 
 
@@ -63,8 +66,10 @@ def _rank_main(rank: int, port: int, out: str, worker, args: tuple) -> None:
 
 
 def on_ranks(tmp_path, worker, *args) -> list:
-    """``worker(rank, *args)`` in RANKS processes (torchrun's environment, gloo); their results."""
-    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), worker, args), nprocs=RANKS, join=True)
+    """``worker(rank, *args)`` in RANKS processes (torchrun's environment, gloo); their results. The
+    processes see no GPU: transformers would shard over the accelerator it finds (NCCL, a GPU a rank)."""
+    with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES=""):
+        mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), worker, args), nprocs=RANKS, join=True)
     return [torch.load(tmp_path / f"{rank}.pt", weights_only=False) for rank in range(RANKS)]
 
 
