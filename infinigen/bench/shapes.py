@@ -1,11 +1,16 @@
-"""Random-weight models of known shapes, built directly on the device, and artifacts calibrated for them."""
+"""Random-weight models of known shapes, built directly on the device (under torchrun, each rank's shard
+on its own), and artifacts calibrated for them."""
 
 from __future__ import annotations
+
+import logging
+import tempfile
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from infinigen.errors import InfinigenError
+from infinigen.tensor_parallel import loading_arguments, world_size
 
 SHAPES: dict[str, dict] = {
     "opt-6.7b": dict(
@@ -59,6 +64,48 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=131072,
         rope_theta=500000.0,
     ),
+    # the shapes that need several GPUs (bf16 weights of ~140 GB): run them under torchrun, where each
+    # rank materialises only its shard (``random_model``)
+    "llama-3-70b": dict(
+        model_type="llama",
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
+    # one rank's share of llama-3-70b at tensor-parallel size N (heads, KV heads and MLP / N; embeddings
+    # whole), for one GPU: a rank's decode step against one GPU's on the same per-rank shape
+    **{
+        f"llama-3-70b-tp{n}-rank": dict(
+            model_type="llama",
+            hidden_size=8192,
+            num_hidden_layers=80,
+            num_attention_heads=64 // n,
+            num_key_value_heads=8 // n,
+            head_dim=128,
+            intermediate_size=28672 // n,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+        )
+        for n in (2, 4)
+    },
+    # 32K positions natively, 128K with the YaRN scaling Qwen documents: the 128K runs need the positions
+    "qwen2.5-72b": dict(
+        model_type="qwen2",
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=29568,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rope_theta=1000000.0,
+    ),
     "tiny-llama": dict(
         model_type="llama",
         hidden_size=64,
@@ -73,12 +120,34 @@ SHAPES: dict[str, dict] = {
 
 
 def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
+    """Random weights of ``shape`` on ``device``; under torchrun sharded over the ranks (their devices)."""
     if shape not in SHAPES:
         raise InfinigenError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
     fields = dict(SHAPES[shape])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if world_size() > 1:
+        return _sharded_random_model(config, dtype)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _sharded_random_model(config, dtype: torch.dtype) -> PreTrainedModel:
+    """Random weights sharded by transformers' tensor parallelism: its loader builds the model on the
+    meta device, shards it over the ranks and initialises each rank's shard of every weight the
+    checkpoint lacks, so the whole model never exists in one place. The checkpoint: the config and one
+    small stub tensor (a folder without weights is no checkpoint), in a folder of each rank's own."""
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    # the final norm's weight (the last vector), which transformers initialises to ones anyway
+    stub, vector = [(name, param) for name, param in skeleton.named_parameters() if param.dim() == 1][-1]
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # not its table of the weights it initialised
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        save_file({stub: torch.ones(vector.shape)}, f"{folder}/model.safetensors", metadata={"format": "pt"})
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **loading_arguments(config, world_size()))
     return model.eval()
 
 

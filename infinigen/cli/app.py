@@ -10,16 +10,21 @@ from typing import Annotated
 
 import click
 import typer
+from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
 from infinigen import __version__
-from infinigen.cli.render import console, err_console
+from infinigen.cli.render import console
 from infinigen.errors import InfinigenError
+from infinigen.tensor_parallel import rank, world_size
+
+_errors = Console(stderr=True)  # never quiet: under torchrun each rank says what failed on it
 
 
 def fail(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    where = f"rank {rank()}: " if world_size() > 1 else ""
+    _errors.print(f"[bold red]error:[/] {where}{escape(message)}", highlight=False, soft_wrap=True)
 
 
 # typer >= 0.2x carries its own copy of click: its parser raises that copy's UsageError

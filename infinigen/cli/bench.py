@@ -86,6 +86,7 @@ def bench(
     from infinigen.models import resolve_device
     from infinigen.prepare import DEFAULT_RATIO
     from infinigen.runtime.config import settings_grid
+    from infinigen.tensor_parallel import summed, weight_bytes, world_size
 
     if repeat < 1 or gen_len < 1:
         raise InfinigenError(f"--repeat and --gen-len must be at least 1, got {repeat} and {gen_len}")
@@ -97,7 +98,7 @@ def bench(
     device = resolve_device(device)
     subject = load_subject(shape, model, artifact, None if text is None else str(text), device, dtype)
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    weights_gb = sum(p.numel() * p.element_size() for p in subject.model.parameters()) / 1e9
+    weights_gb = weight_bytes(subject.model) / 1e9  # under torchrun: this rank's shards
     report = {
         "shape": subject.shape,
         "model": model,
@@ -116,6 +117,9 @@ def bench(
     artifacts = subject_artifacts(subject, cases)
     bandwidth = pinned_bandwidth(device)
     report["pinned_h2d_gb_s"] = round(bandwidth, 1) if bandwidth is not None else None
+    if world_size() > 1:  # the physical limit: every rank's link in use at once (each rank's rows are its own)
+        report["ranks"] = world_size()
+        report["pinned_h2d_all_ranks_gb_s"] = round(summed(bandwidth, device), 1) if bandwidth is not None else None
     results, split_rows = _run(subject, artifacts, cases, repeat, breakdown, as_json)
     report |= {"results": results, "breakdown": split_rows}
     if plot is not None:

@@ -11,6 +11,7 @@ from infinigen.cli.app import command
 from infinigen.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelArg, runtime_options
 from infinigen.cli.render import console, err_console, human_bytes, print_pairs, printed_json
 from infinigen.errors import InfinigenError
+from infinigen.tensor_parallel import rank, world_size
 
 
 @command
@@ -73,7 +74,7 @@ def generate(
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             prefill_chunk=prefill_chunk,
-            stream=not as_json,
+            stream=not as_json and rank() == 0,  # every rank decodes the same tokens: one prints them
         )
     if printed_json({"outputs": texts, "stats": stats}, as_json):
         return
@@ -82,7 +83,8 @@ def generate(
             console.print(f"[bold]\\[{i}][/] {text}", highlight=False)
     console.print()
     shown = {key: human_bytes(value) if "bytes" in key else value for key, value in stats.items() if key != "per_layer"}
-    print_pairs(f"{config.policy} on {loaded.model.device}", shown)
+    ranks = world_size()  # the statistics are rank 0's: the bytes of its KV heads
+    print_pairs(f"{config.policy} on {loaded.model.device}" + (f", rank 0 of {ranks}" if ranks > 1 else ""), shown)
 
 
 def _prompts(prompt: str | None, prompt_file: Path | None, batch_file: Path | None) -> list[str]:

@@ -10,8 +10,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console()
-err_console = Console(stderr=True)
+from infinigen.tensor_parallel import rank
+
+# Under torchrun every rank runs the command: rank 0 alone prints (errors come from every rank: ``app.fail``).
+console = Console(quiet=rank() > 0)
+err_console = Console(stderr=True, quiet=rank() > 0)
 
 
 def strict(value):
@@ -27,14 +30,15 @@ def strict(value):
 
 def printed_json(report, as_json: bool) -> bool:
     """With --json, print ``report`` for machines (and the caller stops); else do nothing."""
-    if as_json:
+    if as_json and rank() == 0:
         print(json.dumps(strict(report), indent=2))
     return as_json
 
 
 def stream_row(row: dict) -> None:
     """A finished row on stderr, as JSON: a run cut off by a time limit keeps the rows it finished."""
-    print(json.dumps(strict(row)), file=sys.stderr, flush=True)
+    if rank() == 0:
+        print(json.dumps(strict(row)), file=sys.stderr, flush=True)
 
 
 def print_rows(title: str, columns: dict[str, str], rows: list[dict]) -> None:

@@ -31,6 +31,7 @@ from infinigen.runtime.sliding import SlidingLayer
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
 from infinigen.runtime.streams import side_stream
+from infinigen.tensor_parallel import head_shard
 
 
 @dataclass
@@ -81,7 +82,11 @@ class InfinigenCache(Cache):
         if self.policy.speculates and 0 in self.offloaded_indices:
             raise InfinigenError("speculation needs the previous layer: dense_layers must be at least 1")
         blocks = decoder_layers(model)
-        # each offloaded layer runs with its own share of the budget (``allocation``)
+        # under tensor parallelism, the heads this rank computes (every head in one process); refuses
+        # KV heads that do not divide by the ranks before a forward fails on them
+        self.shard = head_shard(blocks[0].self_attn, self.spec.head_dim)
+        # each offloaded layer runs with its own share of the budget (``allocation``), from the whole
+        # artifact (every head's statistics) on every tensor-parallel rank: the shares one process gives
         self.layer_budgets, self.allocation = offloaded_budgets(
             config.budget, config.allocation, artifact if self.policy.budgeted else None, self.offloaded_indices
         )
@@ -151,15 +156,18 @@ class InfinigenCache(Cache):
     def offloaded(self) -> list[OffloadedLayer]:
         return [layer for layer in self.layers if isinstance(layer, OffloadedLayer)]
 
-    def stored_dim(self, dtype: torch.dtype) -> int:
+    def stored_dim(self, dtype: torch.dtype, head_dim: int) -> int:
         """Elements of ``dtype`` per K or V in a pool row (fewer than head_dim for a compressing policy)."""
         codec = self.policy.codec
-        return self.spec.head_dim if codec is None else codec.stored_dim(self.spec.head_dim, dtype)
+        return head_dim if codec is None else codec.stored_dim(head_dim, dtype)
 
     def pool_limit(self, batch: int, dtype: torch.dtype) -> int | None:
-        """Tokens per (batch row, KV head) each offloaded layer's pool may hold (whole blocks)."""
+        """Tokens per (batch row, KV head) each offloaded layer's pool may hold (whole blocks).
+        ``cpu_pool_gb`` is the limit of all tensor-parallel ranks together, each holding its share of
+        the KV heads: every rank keeps as many tokens as one process would, and evicts the same ones."""
         nbytes = row_bytes(self.spec.head_dim, dtype, self.policy.codec, self.config.kv_bits)
-        tokens = pool_tokens(self.config.cpu_pool_gb, self.n_offloaded, batch, self.spec.n_kv_heads, nbytes)
+        pool_gb = None if self.config.cpu_pool_gb is None else self.config.cpu_pool_gb / self.shard.ranks
+        tokens = pool_tokens(pool_gb, self.n_offloaded, batch, self.shard.kv_count, nbytes)
         if tokens is None:
             return None
         tokens -= tokens % self.config.block_tokens if tokens >= self.config.block_tokens else 0
@@ -270,7 +278,7 @@ class InfinigenCache(Cache):
             return self._fetch_new_rows(layer, indices, count, valid, step)
         batch, kv_heads, k = indices.shape
         parity = layer.index % 2
-        rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, self.spec.head_dim), layer.dtype)
+        rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, layer.head_dim), layer.dtype)
         self._count(layer, count if count is not None else k, step=step)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])

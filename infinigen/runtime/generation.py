@@ -26,6 +26,7 @@ from infinigen.errors import InfinigenError
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.graphs import capture
 from infinigen.runtime.streams import side_stream
+from infinigen.tensor_parallel import weight_bytes
 
 
 def cache_argument(model: PreTrainedModel) -> str:
@@ -270,9 +271,9 @@ def generate_text(
 
 def out_of_memory(model: PreTrainedModel, cache: InfinigenCache, batch: int, tokens: int) -> str:
     """The one-line message for a device out-of-memory error, with the sizes involved."""
-    spec = cache.spec
-    kv_per_layer = batch * spec.n_kv_heads * tokens * 2 * spec.head_dim * model.dtype.itemsize
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    spec = cache.spec  # under tensor parallelism, this rank's sizes: its KV heads, its weights' shards
+    kv_per_layer = batch * cache.shard.kv_count * tokens * 2 * spec.head_dim * model.dtype.itemsize
+    weights = weight_bytes(model)
     free, total = torch.cuda.mem_get_info(model.device) if model.device.type == "cuda" else (0, 0)
     gb = 1e9
     return (

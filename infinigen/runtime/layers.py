@@ -135,10 +135,11 @@ class OffloadedLayer(_Layer):
         self.index, self.policy, self.config, self.speculator = index, policy, config, speculator
         self.attention = attention  # the layer's attention module (the oracle computes its true query)
         self.runtime = runtime  # the InfinigenCache: shared stream, staging buffers, pool limit
-        # from the first update (``lazy_initialization``): the keys' device and dtype, the pool, and
+        # from the first update (``lazy_initialization``): the keys' device, dtype and head_dim, the pool, and
         # (B, kv_heads, capacity) bool: the slot holds a cached token (not padding, not unused)
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
+        self.head_dim = 0
         self.pool: KVPool | None = None
         self.valid: torch.Tensor | None = None
         self.max_tokens: int | None = None  # pool limit in tokens per (batch row, KV head); None: unlimited
@@ -165,13 +166,14 @@ class OffloadedLayer(_Layer):
     # --- transformers' layer interface -------------------------------------------------------
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        batch, kv_heads, _, head_dim = key_states.shape
+        # sized from the keys received: under tensor parallelism, this rank's KV heads only
+        batch, kv_heads, _, self.head_dim = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         self.max_tokens = self.runtime.pool_limit(batch, self.dtype)
         self.pool = KVPool(
             batch,
             kv_heads,
-            self.runtime.stored_dim(self.dtype),
+            self.runtime.stored_dim(self.dtype, self.head_dim),
             self.dtype,
             self.device,
             block_tokens=self.config.block_tokens,
@@ -288,7 +290,7 @@ class OffloadedLayer(_Layer):
         """The rows kept on the GPU between steps (row reuse), with room for ``positions``."""
         if self.resident is None:
             batch, kv_heads = self.valid.shape[:2]
-            self.resident = ResidentRows(batch, kv_heads, self.runtime.spec.head_dim, self.dtype, self.device)
+            self.resident = ResidentRows(batch, kv_heads, self.head_dim, self.dtype, self.device)
         held = self.resident.rows
         self.resident.grow(positions, self.capacity)
         if self.resident.rows is not held:  # a new buffer, which the transfer stream writes

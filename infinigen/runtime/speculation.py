@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from infinigen.architectures import ModelSpec
 from infinigen.artifacts import Artifact
 from infinigen.runtime.transfer import triton
+from infinigen.tensor_parallel import head_shard
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -27,8 +28,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def projected_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
     """A layer's query for one token before RoPE (q projection, q norm where the model has one):
-    attention input (B, hidden) -> (B, heads, d)."""
-    q = attention.q_proj(x).view(x.shape[0], spec.n_heads, spec.head_dim)
+    attention input (B, hidden) -> (B, heads, d), the heads this rank computes (``tensor_parallel``)."""
+    q = attention.q_proj(x).view(x.shape[0], -1, spec.head_dim)
     return attention.q_norm(q) if hasattr(attention, "q_norm") else q
 
 
@@ -52,7 +53,7 @@ def exact_query(attention: nn.Module, spec: ModelSpec, x: torch.Tensor, rope) ->
     attention input (B, hidden) -> (B, heads, d)."""
     if spec.rope:
         return rotated_query(attention, spec, x, rope) * attention_scale(attention, spec)
-    return (attention.q_proj(x) * attention.scaling).view(x.shape[0], spec.n_heads, -1)  # OPT scales after
+    return (attention.q_proj(x) * attention.scaling).view(x.shape[0], -1, spec.head_dim)  # OPT scales after
 
 
 def padded_channels(channels: int) -> int:
@@ -62,22 +63,28 @@ def padded_channels(channels: int) -> int:
 
 
 class LayerSpeculator(nn.Module):
-    """Partial query and key projections of one layer, on the compute device."""
+    """Partial query and key projections of one layer, on the compute device, for the heads this rank
+    computes: the artifact's per-KV-head skew and channels, and OPT's folded partial query rows, are
+    sliced in the order of the projections' shards (``tensor_parallel.head_shard``), so an artifact
+    made on one device serves any tensor-parallel size."""
 
     def __init__(self, spec: ModelSpec, artifact: Artifact, layer: int, attention: nn.Module, device, dtype) -> None:
         super().__init__()
         self.spec = spec
         self.attention = attention  # the layer's attention module (RoPE models reuse its q projection)
         skew, channels = artifact.skew_matrix(layer), artifact.channels(layer)  # (h, d, d), (h, r)
-        key_columns = torch.stack([skew[h][:, channels[h]] for h in range(spec.n_kv_heads)])  # (h, d, r)
+        self.shard = head_shard(attention, skew.shape[-1])
+        skew, channels = skew[self.shard.kv_heads], channels[self.shard.kv_heads]
+        key_columns = torch.stack([head[:, kept] for head, kept in zip(skew, channels, strict=True)])  # (h, d, r)
         key_columns = F.pad(key_columns, (0, padded_channels(key_columns.shape[-1]) - key_columns.shape[-1]))
         self.register_buffer("key_projection", key_columns.to(device, dtype))
         partial_query = artifact.partial_query_weight(layer)
         if partial_query is None:
             scale = attention_scale(attention, spec)
-            per_query_head = key_columns.repeat_interleave(spec.group_size, dim=0) * scale
+            per_query_head = key_columns.repeat_interleave(self.shard.group_size, dim=0) * scale
             self.register_buffer("query_projection", per_query_head.to(device, dtype))  # (heads, d, r)
         else:
+            partial_query = partial_query[self.shard.query_heads]
             partial_query = F.pad(partial_query, (0, 0, 0, key_columns.shape[-1] - partial_query.shape[1]))
             self.register_buffer("query_weight", partial_query[..., :-1].to(device, dtype))  # (heads, r, hidden)
             self.register_buffer("query_bias", partial_query[..., -1].to(device, dtype))  # (heads, r)

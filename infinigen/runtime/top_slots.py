@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from infinigen.runtime.transfer import triton
 
@@ -41,11 +42,21 @@ class CountRule:
     """How many slots each batch row keeps (InfiniGen's speculation): the tokens scoring within
     ``alpha`` of their head's best, averaged over the row's heads (rounded half to even), at least
     min(cached, min_tokens) and at most ceil(budget * cached), cached = the row's most finite
-    scores in one head (empty slots score -inf). Rows never influence each other."""
+    scores in one head (empty slots score -inf). Rows never influence each other.
+
+    Under tensor parallelism each rank scores its own KV heads. ``group``: the process group whose
+    ranks hold the model's other heads; the two per-row tallies (tokens within alpha, summed over
+    heads; cached, the most over heads) are then all-reduced once per layer and step, so every rank
+    counts as one process would and the tokens equal one process's. Only a finite alpha needs it:
+    every head caches the same slots of a row (padding is per row; a full pool overwrites one slot per
+    head and step), so with alpha = inf (the default) every head's tally is the row's cached tokens
+    and each rank alone already counts what one process counts: no communication (the policy passes
+    no group)."""
 
     budget: float
     alpha: float
     min_tokens: int
+    group: object | None = None
 
     def counts(self, scores: torch.Tensor) -> torch.Tensor:
         """scores (B, heads, n) float -> (B,) int32."""
@@ -53,6 +64,10 @@ class CountRule:
         cached = (scores > -math.inf).sum(dim=-1).amax(dim=1)  # (B,)
         best = scores.masked_fill(scores >= FORCED, -math.inf).amax(dim=-1, keepdim=True)
         above = (scores > best - self.alpha).sum(dim=(1, 2))  # (B,) summed over the heads
+        if self.group is not None:
+            dist.all_reduce(above, group=self.group)
+            dist.all_reduce(cached, op=dist.ReduceOp.MAX, group=self.group)
+            heads *= dist.get_world_size(self.group)
         whole, rest = above // heads, above % heads
         rounded = whole + ((2 * rest > heads) | ((2 * rest == heads) & (whole % 2 == 1))).long()
         cap = (cached.float() * self.budget).ceil().clamp(min=self.min_tokens).minimum(cached.float())
@@ -80,7 +95,7 @@ def top_slots(
     fetched: the gather stops at the count; count (B,) int32). Scores rank truncated to bfloat16;
     ties keep the lowest slots. ``tile_max`` (B * heads, tiles): maxima of consecutive tiles of each
     row (``scoring.fused_group_scores`` gives them), which the CUDA path reads instead of a reduction."""
-    if triton is not None and scores.device.type == "cuda":
+    if triton is not None and scores.device.type == "cuda" and rule.group is None:  # the kernels count per rank
         return _radix_top_slots(scores, rule, k_max, tile_max)
     count = rule.counts(scores)
     ranked = truncated(scores).sort(dim=-1, descending=True, stable=True).indices[..., :k_max]

@@ -50,12 +50,14 @@ class InfinigenPolicy(Policy):
         n, cfg = layer.capacity, self.config  # every slot the buffers have; unused ones are invalid
         k_max = min(n, max(cfg.min_tokens, math.ceil(cfg.budget * n)))  # static bound for every row
         partial_query = layer.speculator.partial_query(attention_input, rope)  # (B, heads, r)
+        # the count needs the other tensor-parallel ranks' heads only with a finite alpha (``CountRule``)
+        ranks = layer.speculator.shard.group if math.isfinite(cfg.alpha) else None
         indices, count = select_tokens(
             partial_query,
             self.partial_key_cache[:, :, :n],
             layer.valid[:, :, :n],
             k_max,
-            CountRule(cfg.budget, cfg.alpha, cfg.min_tokens),
+            CountRule(cfg.budget, cfg.alpha, cfg.min_tokens, ranks),
             key_scale=None if self.partial_key_scale is None else self.partial_key_scale[:, :, :n],
             always=always_fetched(layer, n, cfg.sink_tokens, cfg.recent_tokens),
         )
