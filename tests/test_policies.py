@@ -18,6 +18,7 @@ from infinigen.runtime.config import PolicyName
 from infinigen.runtime.layers import OffloadedLayer
 from infinigen.runtime.policies.base import LayerView
 from infinigen.runtime.policies.h2o import H2OPolicy
+from infinigen.runtime.policies.infinigen import always_fetched
 from infinigen.runtime.policies.int4 import GroupQuantizer
 from infinigen.runtime.policies.quest import PAGE, QuestPolicy
 from infinigen.runtime.scoring import LEVELS, code_values, group_scores, quantize_rows
@@ -438,3 +439,11 @@ def test_sinks_and_recent_window_are_always_fetched(tokenizer, device):
             kept = selection.indices[b, :, : int(selection.count[b])]
             wanted = [int(first[b]), int(first[b]) + 1, used - 3, used - 2, used - 1]
             assert bool(torch.isin(torch.tensor(wanted, device=device), kept).all()), (b, kept, wanted)
+    # a window longer than the context takes at most half of each row's budget, the last slots
+    layer = cache.offloaded[0]
+    n = layer.capacity
+    cached = layer.valid[:, :, :n].sum(dim=-1)  # (B, kv_heads)
+    layer.runtime.slot.fill_(layer.used)  # as at a selection: the next token's slot
+    window = always_fetched(layer, n, 0, 1000, 0.25)
+    assert torch.equal(window.sum(dim=-1), (cached * 0.125).long())
+    assert bool(window[:, :, : layer.used - int((cached * 0.125).max())].logical_not().all())

@@ -59,20 +59,22 @@ class InfinigenPolicy(Policy):
             k_max,
             CountRule(cfg.budget, cfg.alpha, cfg.min_tokens, ranks),
             key_scale=None if self.partial_key_scale is None else self.partial_key_scale[:, :, :n],
-            always=always_fetched(layer, n, cfg.sink_tokens, cfg.recent_tokens),
+            always=always_fetched(layer, n, cfg.sink_tokens, cfg.recent_tokens, cfg.budget),
         )
         return Selection(indices=indices, count=count)
 
 
-def always_fetched(layer: LayerView, n: int, sinks: int, recent: int) -> torch.Tensor | None:
+def always_fetched(layer: LayerView, n: int, sinks: int, recent: int, budget: float) -> torch.Tensor | None:
     """(B, kv_heads, n) bool: each row's first ``sinks`` cached slots (after its left padding) and its
-    last ``recent`` slots; None for neither. Slots follow token order while the pool appends (a full
-    pool overwrites slots out of order: its "recent" slots are then the last ones, not the newest)."""
+    last ``recent`` slots, at most half the row's budget (a short context keeps speculating most of
+    what it fetches); None for neither. Slots follow token order while the pool appends (a full pool
+    overwrites slots out of order: its "recent" slots are then the last ones, not the newest)."""
     if sinks == 0 and recent == 0:
         return None
     slots, valid = layer.all_slots(n), layer.valid[:, :, :n]
     first = valid.int().argmax(dim=-1, keepdim=True)  # (B, kv_heads, 1): the first cached slot
-    always = (slots < first + sinks) | (slots >= layer.device_used() - recent)
+    window = (valid.sum(dim=-1, keepdim=True) * (budget / 2)).long().clamp(max=recent)  # (B, kv_heads, 1)
+    always = (slots < first + sinks) | (slots >= layer.device_used() - window)
     return always & valid
 
 
