@@ -156,11 +156,6 @@ class InfinigenCache(Cache):
     def offloaded(self) -> list[OffloadedLayer]:
         return [layer for layer in self.layers if isinstance(layer, OffloadedLayer)]
 
-    def stored_dim(self, dtype: torch.dtype, head_dim: int) -> int:
-        """Elements of ``dtype`` per K or V in a pool row (fewer than head_dim for a compressing policy)."""
-        codec = self.policy.codec
-        return head_dim if codec is None else codec.stored_dim(head_dim, dtype)
-
     def pool_limit(self, batch: int, dtype: torch.dtype) -> int | None:
         """Tokens per (batch row, KV head) each offloaded layer's pool may hold (whole blocks).
         ``cpu_pool_gb`` is the limit of all tensor-parallel ranks together, each holding its share of

@@ -19,7 +19,7 @@ from infinigen.runtime.buffers import grown, grown_to
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.graphs import SelectionGraph
 from infinigen.runtime.policies.base import Policy, RowCodec, Selection
-from infinigen.runtime.pool import KVPool
+from infinigen.runtime.pool import KVPool, stored_width
 from infinigen.runtime.reuse import ResidentRows
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import LayerStats
@@ -173,7 +173,7 @@ class OffloadedLayer(_Layer):
         self.pool = KVPool(
             batch,
             kv_heads,
-            self.runtime.stored_dim(self.dtype, self.head_dim),
+            stored_width(self.head_dim, self.dtype, self.policy.codec),
             self.dtype,
             self.device,
             block_tokens=self.config.block_tokens,

@@ -19,12 +19,17 @@ from infinigen.runtime import int8_rows, transfer
 from infinigen.runtime.policies.base import RowCodec
 
 
+def stored_width(head_dim: int, dtype: torch.dtype, codec: RowCodec | None) -> int:
+    """Elements of ``dtype`` per K or V in a pool row: head_dim, or a policy codec's stored width."""
+    return head_dim if codec is None else codec.stored_dim(head_dim, dtype)
+
+
 def row_bytes(head_dim: int, dtype: torch.dtype, codec: RowCodec | None, kv_bits: int) -> int:
     """Bytes of one pool row (K and V of one token and KV head) as stored: what sizes a limited pool
     before any pool exists (``KVPool.row_bytes`` once one does)."""
     if kv_bits == 8:
         return 2 * int8_rows.stored_bytes(head_dim)
-    return 2 * (head_dim if codec is None else codec.stored_dim(head_dim, dtype)) * dtype.itemsize
+    return 2 * stored_width(head_dim, dtype, codec) * dtype.itemsize
 
 
 class KVPool:
