@@ -119,36 +119,6 @@ def test_quantized_partial_keys_score_as_their_values_and_keep_the_ranking(bits,
     assert min(kept) >= overlap  # the top 20% by quantized scores are mostly the top 20% by exact ones
 
 
-def test_centred_codes_keep_each_heads_ranking_and_resolve_a_shared_key_component():
-    """Keys with a large component shared by every token (a key bias): storing them minus their mean
-    and adding q . mean back per query head scores every token as the plain keys do (16 bits, exact
-    ranking), and at 4 bits the top 10% by centred codes overlaps the exact top 10% far more than the
-    top 10% by plain codes, whose range the shared component takes."""
-    from infinigen.runtime.policies.infinigen import query_offsets
-
-    generator = torch.Generator().manual_seed(0)
-    batch, kv_heads, group, n, r = 2, 2, 4, 400, 16
-    bias = 40 * torch.randn(batch, kv_heads, 1, r, generator=generator)
-    keys = torch.randn(batch, kv_heads, n, r, generator=generator) + bias
-    queries = torch.randn(batch, kv_heads * group, r, generator=generator)
-    valid = torch.ones(batch, kv_heads, n, dtype=torch.bool)
-    mean = keys.mean(dim=2, keepdim=True)
-    offset = query_offsets(queries, mean)  # (B, heads)
-    exact = group_scores(queries, keys, valid)
-    torch.testing.assert_close(group_scores(queries, keys - mean, valid, query_offset=offset), exact)
-    top = n // 10
-
-    def overlap(scores: torch.Tensor) -> float:
-        pairs = zip(scores.topk(top).indices.flatten(0, 1), exact.topk(top).indices.flatten(0, 1), strict=True)
-        return sum(len(set(a.tolist()) & set(b.tolist())) for a, b in pairs) / (top * batch * kv_heads)
-
-    codes, scale = quantize_rows(keys, 4)
-    plain = group_scores(queries, codes, valid, scale)
-    codes, scale = quantize_rows(keys - mean, 4)
-    centred = group_scores(queries, codes, valid, scale, offset)
-    assert overlap(centred) >= 0.8 and overlap(centred) >= overlap(plain) + 0.3
-
-
 def tile_maxima(scores: torch.Tensor) -> torch.Tensor:
     """(B, kv_heads, n) -> the best of each TOKENS_PER_PROGRAM-slot tile of each row (B * kv_heads, tiles)."""
     tile = scoring.TOKENS_PER_PROGRAM
@@ -165,11 +135,10 @@ B, kv, G, cap, n, c = 2, 3, 4, 300, 257, 40
 keys = torch.randn(B, kv, cap, c, generator=g)
 valid = torch.rand(B, kv, cap, generator=g) > 0.3
 q = torch.randn(B, kv * G, c, generator=g)
-offset = 5 * torch.randn(B, kv * G, generator=g)
-for bits, query_offset in ((8, None), (4, None), (4, offset)):
+for bits in (8, 4):
     codes, scale = quantize_rows(keys, bits)
-    out, tile_max = fused_group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n], query_offset)
-    ref = group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n], query_offset)
+    out, tile_max = fused_group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
+    ref = group_scores(q, codes[:, :, :n], valid[:, :, :n], scale[:, :, :n])
     assert out.shape == ref.shape == (B, kv, n) and out.dtype == torch.float32
     assert torch.equal(out.isinf(), ref.isinf()), "masked slots"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
@@ -182,8 +151,7 @@ print("ok")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernel")
 def test_fused_scores_in_interpreter():
     """The Triton kernel (run by Triton's CPU interpreter) scores 8- and 4-bit codes in slices of
-    capacity-sized buffers as the PyTorch path does, with and without per-query-head offsets, -inf
-    where invalid."""
+    capacity-sized buffers as the PyTorch path does, -inf where invalid."""
     run_in_interpreter(FUSED_SCORES_CHECK)
 
 
@@ -229,34 +197,29 @@ def test_rotated_partial_query_on_cuda():
 
 
 def check_store_token_codes(device: str, dtype: torch.dtype) -> None:
-    """``store_token_codes`` writes a decode token's codes and scale where PyTorch (project, subtract
-    the offset, ``quantize_rows``, ``store_slots``) writes them: codes within one step, the same scale
-    (to the projection's rounding in 16-bit dtypes), nothing else touched."""
+    """``store_token_codes`` writes a decode token's codes and scale where PyTorch (project,
+    ``quantize_rows``, ``store_slots``) writes them: codes within one step, the same scale (to the
+    projection's rounding in 16-bit dtypes), nothing else touched."""
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, d, r, capacity = 2, 3, 24, 10, 50
     exact = dtype == torch.float32
-    for bits, centred in ((8, False), (4, False), (4, True)):
+    for bits in (8, 4):
         keys = torch.randn(batch, kv_heads, 1, d, generator=generator).to(device, dtype)
         keys[1, 2] = 0  # all-zero keys: the least scale, zero codes
         projection = torch.randn(kv_heads, d, r, generator=generator).to(device, dtype)
-        offset = None
-        if centred:
-            offset = (3 * torch.randn(batch, kv_heads, 1, r, generator=generator)).to(device, dtype)
-            offset[1, 2] = 0  # with the zero keys above: zero codes
         slots = torch.tensor([[3, 7, 49], [0, 0, 12]], device=device)
         codes, scale = quantize_rows(
             torch.randn(batch, kv_heads, capacity, r, generator=generator).to(device, dtype), bits
         )
-        partial = torch.matmul(keys, projection)
-        token_codes, token_scale = quantize_rows(partial if offset is None else partial - offset, bits)
+        token_codes, token_scale = quantize_rows(torch.matmul(keys, projection), bits)
         expected_codes = store_slots(codes.clone(), slots, token_codes, capacity)
         expected_scale = store_slots(scale.clone(), slots, token_scale, capacity)
-        scoring.store_token_codes(keys, projection, slots, codes, scale, offset)
+        scoring.store_token_codes(keys, projection, slots, codes, scale)
         torch.testing.assert_close(scale, expected_scale, rtol=1e-5 if exact else 2e-2, atol=0)
         differ = code_values(codes).int() - code_values(expected_codes).int()
         assert differ.abs().max() <= 1 and (not exact or bool((differ != 0).sum() <= 2))
         scoring.store_token_codes(
-            keys, projection, torch.tensor([20], device=device).expand(batch, kv_heads), codes, scale, offset
+            keys, projection, torch.tensor([20], device=device).expand(batch, kv_heads), codes, scale
         )
         torch.testing.assert_close(scale[:, :, 20], token_scale[:, :, 0], rtol=1e-5 if exact else 2e-2, atol=0)
 

@@ -197,7 +197,7 @@ def test_small_pool_evicts_and_stays_consistent(tokenizer, eviction, device):
     assert isinstance(layer, OffloadedLayer) and layer.used == 32 and layer.length == 49
     assert bool(layer.valid[:, :, :32].all())
     keys = torch.stack([block[:, :, :, 0] for block in layer.pool.blocks], dim=2).flatten(2, 3)  # (B, h, 32, d)
-    partial = layer.speculator.partial_keys(keys.to(device)) - layer.policy.key_offset  # (B, h, 32, r), centred
+    partial = layer.speculator.partial_keys(keys.to(device))  # (B, h, 32, r)
     codes = code_values(layer.policy.partial_key_cache[:, :, :32])
     stored = codes * layer.policy.partial_key_scale[:, :, :32, None]
     step = partial.abs().amax(dim=-1, keepdim=True) / LEVELS[layer.policy.config.partial_key_bits]
@@ -226,28 +226,6 @@ def test_partial_key_cache_bits(tokenizer, bits, device):
     assert policy.partial_key_cache.shape[-1] == (channels // 2 if bits == 4 else channels)  # 4 bits: two a byte
     assert (policy.partial_key_scale is None) == (bits == 16)
     assert policy.partial_key_cache.shape[2] == cache.layers[2].capacity  # sized by the pool, no headroom
-
-
-@pytest.mark.parametrize("centre", [True, False])
-def test_partial_key_codes_are_centred_on_the_prefill_mean(tokenizer, centre, device):
-    """With codes, each sequence's partial keys are stored minus the mean of its prefill's (prompt
-    and decoded tokens alike; a shift common to a head's keys leaves every query's ranking as it
-    was); ``centre_partial_keys=False`` stores them as they are."""
-    model, artifact = tiny_setup(tokenizer, "qwen2", device)
-    cache = cache_for(model, artifact, budget=0.5, centre_partial_keys=centre)
-    greedy(model, {"input_ids": torch.randint(3, 512, (2, 30), device=device)}, cache, new_tokens=6)
-    layer = cache.layers[2]
-    keys = layer.pool.blocks[0][:, :, :35, 0].to(device)  # (B, h, 35, d): 30 prompt + 5 decoded tokens
-    partial = layer.speculator.partial_keys(keys)
-    offset = layer.policy.key_offset
-    if centre:
-        torch.testing.assert_close(offset, partial[:, :, :30].mean(dim=2, keepdim=True))
-    else:
-        assert offset is None
-        offset = torch.zeros_like(partial[:, :, :1])
-    stored = code_values(layer.policy.partial_key_cache[:, :, :35]) * layer.policy.partial_key_scale[:, :, :35, None]
-    step = (partial - offset).abs().amax(dim=-1, keepdim=True) / LEVELS[layer.policy.config.partial_key_bits]
-    assert bool(((stored - (partial - offset)).abs() <= step / 2 + 1e-5).all())
 
 
 def test_pool_too_small_for_prompt(tokenizer):

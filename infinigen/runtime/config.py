@@ -110,14 +110,6 @@ class RuntimeConfig:
         "infinigen's partial key cache on the GPU: 4 (two codes a byte + a scale per token) | 8 | 16.",
         applies_to=("speculates",),
     )
-    # A constant shift of a head's keys changes no query's ranking, but a large shared component
-    # (Qwen2's key bias) takes most of the 4-bit codes' range (ACCURACY.md, "Long context: Qwen2.5-Coder-0.5B").
-    centre_partial_keys: bool = option(
-        True,
-        "infinigen quantizes each partial key minus its sequence's mean prefill partial key (per KV head) "
-        "and adds each query head's product with that mean back into its score: the same ranking, finer codes.",
-        applies_to=("speculates",),
-    )
     # int8 codes with a float32 scale per (token, KV head, K/V): FP8 e4m3 lost more perplexity on
     # SmolLM2 (ACCURACY.md, "8-bit rows")
     kv_bits: KVBits = option(

@@ -58,7 +58,6 @@ if triton is not None:
         codes,  # (B * kv_heads, n, channels or channels / 2) int8 or packed uint8, row stride codes_stride
         scale,  # (B * kv_heads, n), row stride slot_stride
         valid,  # (B * kv_heads, n) bool as uint8, row stride slot_stride
-        offset,  # (B * kv_heads, group) float32 contiguous: added to each query head's scores (has_offset)
         out,  # (B * kv_heads, n) float32 contiguous
         tile_max,  # (B * kv_heads, tiles) float32: the best score of each program's tokens
         n,
@@ -69,7 +68,6 @@ if triton is not None:
         width: tl.constexpr,  # bytes per token: channels, or channels / 2 when packed
         width_pow2: tl.constexpr,
         packed: tl.constexpr,  # two 4-bit codes a byte
-        has_offset: tl.constexpr,
         tokens: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -79,29 +77,23 @@ if triton is not None:
         mask = live[:, None] & (j < width)[None, :]
         # each token's bytes once, coalesced; masked bytes read as 0, whose codes are 0
         raw = tl.load(codes + row * codes_stride + t[:, None] * width + j[None, :], mask=mask, other=0).to(tl.int32)
-        # a positive scale commutes with the max (rounding is monotone): without an offset these are
-        # the scores of the group's best logit, scaled once
-        factor = tl.load(scale + row * slot_stride + t, mask=live, other=0).to(tl.float32)
+        best = tl.full((tokens,), -float("inf"), tl.float32)
         if packed:  # channel 2j in the low nibble of byte j, 2j + 1 in the high one
             low = (((raw & 0xF) ^ 8) - 8).to(tl.float32)
             high = ((((raw >> 4) & 0xF) ^ 8) - 8).to(tl.float32)
-        else:
-            keys = raw.to(tl.float32)
-        best = tl.full((tokens,), -float("inf"), tl.float32)
-        for g in tl.static_range(group):
-            query_row = query + (row * group + g) * channels
-            if packed:
+            for g in tl.static_range(group):
+                query_row = query + (row * group + g) * channels
                 even = tl.load(query_row + 2 * j, mask=j < width, other=0).to(tl.float32)
                 odd = tl.load(query_row + 2 * j + 1, mask=j < width, other=0).to(tl.float32)
-                score = tl.sum(low * even[None, :] + high * odd[None, :], axis=1) * factor
-            else:
-                q = tl.load(query_row + j, mask=j < width, other=0).to(tl.float32)
-                score = tl.sum(keys * q[None, :], axis=1) * factor
-            if has_offset:
-                score += tl.load(offset + row * group + g)
-            best = tl.maximum(best, score)
+                best = tl.maximum(best, tl.sum(low * even[None, :] + high * odd[None, :], axis=1))
+        else:
+            keys = raw.to(tl.float32)
+            for g in tl.static_range(group):
+                q = tl.load(query + (row * group + g) * channels + j, mask=j < width, other=0).to(tl.float32)
+                best = tl.maximum(best, tl.sum(keys * q[None, :], axis=1))
+        factor = tl.load(scale + row * slot_stride + t, mask=live, other=0).to(tl.float32)
         keep = tl.load(valid + row * slot_stride + t, mask=live, other=0) != 0
-        scores = tl.where(keep, best, -float("inf"))
+        scores = tl.where(keep, best * factor, -float("inf"))
         tl.store(out + row * n + t, scores, mask=live)
         tl.store(tile_max + row * tl.num_programs(1) + tl.program_id(1), tl.max(scores))
 
@@ -109,7 +101,6 @@ if triton is not None:
     def _store_token_kernel(
         keys,  # (B * kv_heads, d) contiguous: the decode token's keys
         projection,  # (kv_heads, d, channels) contiguous: the layer's partial key projection
-        offset,  # (B * kv_heads, channels) contiguous, the keys' dtype: subtracted from the partial key (has_offset)
         slots,  # (B, kv_heads) int64, strides slot_stride_b, slot_stride_h (0 where expanded)
         codes,  # (B * kv_heads, capacity, width) int8 or packed uint8
         scale,  # (B * kv_heads, capacity), the keys' dtype
@@ -124,7 +115,6 @@ if triton is not None:
         channels_pow2: tl.constexpr,
         levels: tl.constexpr,
         packed: tl.constexpr,
-        has_offset: tl.constexpr,
     ):
         row = tl.program_id(0)
         i = tl.arange(0, dim_pow2)
@@ -137,9 +127,6 @@ if triton is not None:
         ).to(tl.float32)
         dtype = scale.dtype.element_ty
         partial = tl.sum(key[:, None] * weights, axis=0).to(dtype).to(tl.float32)  # the matmul's output dtype
-        if has_offset:
-            shift = tl.load(offset + row * channels + c, mask=c < channels, other=0).to(tl.float32)
-            partial = (partial - shift).to(dtype).to(tl.float32)  # the subtraction's output dtype
         step = tl.maximum(tl.max(tl.abs(partial)) / levels, tiny).to(dtype)
         code = tl.floor(partial / step.to(tl.float32) + 0.5)
         code = tl.minimum(tl.maximum(code, -levels), levels).to(tl.int32)
@@ -160,10 +147,9 @@ def store_token_codes(
     slots: torch.Tensor,  # (B, kv_heads) int64
     codes: torch.Tensor,  # (B, kv_heads, capacity, r or r / 2) from quantize_rows
     scale: torch.Tensor,  # (B, kv_heads, capacity), the keys' dtype
-    offset: torch.Tensor | None = None,  # (B, kv_heads, 1, r), the keys' dtype
 ) -> None:
-    """codes, scale[b, h, slots[b, h]] <- quantize_rows(keys @ projection - offset) in one kernel (the
-    same codes up to the rounding of the projection's sum, and of exact halves)."""
+    """codes, scale[b, h, slots[b, h]] <- quantize_rows(keys @ projection) in one kernel (the same
+    codes up to the rounding of the projection's sum, and of exact halves)."""
     batch, kv_heads, _, head_dim = keys.shape
     channels = projection.shape[-1]
     if not (codes.is_contiguous() and scale.is_contiguous() and scale.dtype == keys.dtype):
@@ -171,7 +157,6 @@ def store_token_codes(
     _store_token_kernel[(batch * kv_heads,)](
         keys.contiguous(),
         projection.contiguous(),
-        keys if offset is None else offset.expand(batch, kv_heads, 1, channels).contiguous(),
         slots,
         codes,
         scale,
@@ -186,7 +171,6 @@ def store_token_codes(
         channels_pow2=triton.next_power_of_2(channels),
         levels=LEVELS[8 if codes.dtype == torch.int8 else 4],
         packed=codes.dtype == torch.uint8,
-        has_offset=offset is not None,
     )
 
 
@@ -199,7 +183,6 @@ def fused_group_scores(
     codes: torch.Tensor,  # (B, kv_heads, n, c or c / 2) from quantize_rows, a slice of a capacity-sized buffer
     valid: torch.Tensor,  # (B, kv_heads, n) bool, likewise
     key_scale: torch.Tensor,  # (B, kv_heads, n), likewise
-    query_offset: torch.Tensor | None = None,  # (B, heads) float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, kv_heads, n) float32: each KV head's token scored by its query group's best logit
     (``group_scores`` over quantized keys), -inf where ``valid`` is False; and the best score of
@@ -218,7 +201,6 @@ def fused_group_scores(
         codes,
         key_scale,
         valid.view(torch.uint8),
-        out if query_offset is None else query_offset.float().contiguous(),
         out,
         tile_max,
         n,
@@ -229,32 +211,25 @@ def fused_group_scores(
         width=width,
         width_pow2=triton.next_power_of_2(width),
         packed=codes.dtype == torch.uint8,
-        has_offset=query_offset is not None,
         tokens=TOKENS_PER_PROGRAM,
     )
     return out, tile_max
 
 
 def group_scores(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    valid: torch.Tensor,
-    key_scale: torch.Tensor | None = None,
-    query_offset: torch.Tensor | None = None,
+    queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, key_scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """queries (B, heads, c) x keys (B, kv_heads, n, c) -> (B, kv_heads, n) float: each KV head scores a
     token by the best logit of its query group; -inf where ``valid`` is False. With ``key_scale``
-    (B, kv_heads, n) the keys are the codes of ``quantize_rows``; ``query_offset`` (B, heads) is added
-    to each query head's logits before the max (keys stored minus a mean m: q . m)."""
+    (B, kv_heads, n) the keys are the codes of ``quantize_rows`` (a positive scale per token commutes
+    with the max over the group)."""
     if key_scale is not None and fused_available(keys.device):
-        return fused_group_scores(queries, keys, valid, key_scale, query_offset)[0]
+        return fused_group_scores(queries, keys, valid, key_scale)[0]
     if key_scale is not None:
         keys = code_values(keys)
     batch, kv_heads = keys.shape[:2]
     grouped = queries.view(batch, kv_heads, -1, queries.shape[-1])
-    logits = torch.einsum("bkgc,bktc->bkgt", grouped, keys.to(queries.dtype)).float()  # (B, kv_heads, group, n)
+    scores = torch.einsum("bkgc,bktc->bkgt", grouped, keys.to(queries.dtype)).amax(dim=2).float()
     if key_scale is not None:
-        logits = logits * key_scale[:, :, None, :]  # a positive scale: the same max as scaling after it
-    if query_offset is not None:
-        logits = logits + query_offset.view(batch, kv_heads, -1, 1)
-    return logits.amax(dim=2).masked_fill(~valid, -math.inf)
+        scores = scores * key_scale
+    return scores.masked_fill(~valid, -math.inf)

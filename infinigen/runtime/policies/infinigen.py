@@ -31,26 +31,17 @@ class InfinigenPolicy(Policy):
         # in the model's dtype (None at 16 bits).
         self.partial_key_cache: torch.Tensor | None = None
         self.partial_key_scale: torch.Tensor | None = None
-        # (B, kv_heads, 1, r) with centre_partial_keys and codes: each sequence's mean partial key over
-        # its first stored tokens (the prefill), subtracted before quantizing; each query head adds
-        # q . mean back in its score, so every head ranks the tokens as it would without it.
-        self.key_offset: torch.Tensor | None = None
 
     def stored(self, layer: LayerView, slots, keys) -> None:
         if self.partial_key_scale is not None and not isinstance(slots, slice) and fused_available(keys.device):
-            # a decode step's token: one kernel projects, centres, quantizes and writes it at its slots (B, kv_heads)
+            # a decode step's token: one kernel projects, quantizes and writes it at its slots (B, kv_heads)
             self.partial_key_cache = grown_to(self.partial_key_cache, layer.capacity, 2)
             self.partial_key_scale = grown_to(self.partial_key_scale, layer.capacity, 2)
             projection = layer.speculator.key_projection
-            codes, scale = self.partial_key_cache, self.partial_key_scale
-            store_token_codes(keys, projection, slots, codes, scale, self.key_offset)
+            store_token_codes(keys, projection, slots, self.partial_key_cache, self.partial_key_scale)
             return
         partial = layer.speculator.partial_keys(keys)  # (B, kv_heads, T, r)
         if self.config.partial_key_bits < 16:
-            if self.config.centre_partial_keys:
-                if self.key_offset is None:
-                    self.key_offset = partial.float().mean(dim=2, keepdim=True).to(partial.dtype)
-                partial = partial - self.key_offset
             partial, scale = quantize_rows(partial, self.config.partial_key_bits)
             self.partial_key_scale = store_slots(self.partial_key_scale, slots, scale, layer.capacity)
         self.partial_key_cache = store_slots(self.partial_key_cache, slots, partial, layer.capacity)
@@ -68,7 +59,6 @@ class InfinigenPolicy(Policy):
             k_max,
             CountRule(cfg.budget, cfg.alpha, cfg.min_tokens, ranks),
             key_scale=None if self.partial_key_scale is None else self.partial_key_scale[:, :, :n],
-            query_offset=None if self.key_offset is None else query_offsets(partial_query, self.key_offset),
             always=always_fetched(layer, n, cfg.sink_tokens, cfg.recent_tokens, cfg.budget),
         )
         return Selection(indices=indices, count=count)
@@ -88,13 +78,6 @@ def always_fetched(layer: LayerView, n: int, sinks: int, recent: int, budget: fl
     return always & valid
 
 
-def query_offsets(partial_query: torch.Tensor, key_offset: torch.Tensor) -> torch.Tensor:
-    """partial_query (B, heads, r) . key_offset (B, kv_heads, 1, r) of its KV head -> (B, heads) float32."""
-    batch, kv_heads = key_offset.shape[:2]
-    grouped = partial_query.view(batch, kv_heads, -1, partial_query.shape[-1]).float()
-    return torch.einsum("bkgr,bkr->bkg", grouped, key_offset[:, :, 0].float()).flatten(1)
-
-
 def select_tokens(
     partial_query: torch.Tensor,  # (B, heads, r)
     partial_keys: torch.Tensor,  # (B, kv_heads, n, r)
@@ -102,16 +85,15 @@ def select_tokens(
     k_max: int,
     rule: CountRule,
     key_scale: torch.Tensor | None = None,  # (B, kv_heads, n) for quantized partial keys
-    query_offset: torch.Tensor | None = None,  # (B, heads) float32: added to each head's scores
     always: torch.Tensor | None = None,  # (B, kv_heads, n) bool: slots fetched whatever they score
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculated scores -> (slots (B, kv_heads, k_max) ascending, count (B,) int32): per batch row
     the tokens within alpha of each head's best, averaged over its KV heads, capped by the budget
     share of the row's own cached tokens (``CountRule``); ``always`` slots rank first."""
     if key_scale is not None and fused_available(partial_keys.device):
-        scores, tile_max = fused_group_scores(partial_query, partial_keys, valid, key_scale, query_offset)
+        scores, tile_max = fused_group_scores(partial_query, partial_keys, valid, key_scale)
     else:
-        scores, tile_max = group_scores(partial_query, partial_keys, valid, key_scale, query_offset), None
+        scores, tile_max = group_scores(partial_query, partial_keys, valid, key_scale), None
     if always is not None:
         scores = scores.masked_fill(always, FORCED)  # tile_max keeps the best speculated score
     return top_slots(scores, rule, k_max, tile_max)
