@@ -63,6 +63,16 @@ def test_selection_recall_is_one_for_the_oracle_and_below_for_speculation(tokeni
     assert exact["recall"] == 1.0
 
 
+def test_selection_recall_reads_8_bit_rows_as_their_values(tokenizer):
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    ids = torch.randint(3, 512, (2, 96), generator=torch.Generator().manual_seed(4))
+    wide, narrow = (
+        perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="infinigen", budget=0.25, kv_bits=bits)
+        for bits in (16, 8)
+    )
+    assert 0 < narrow["recall"] < 1 and abs(narrow["recall"] - wide["recall"]) < 0.05
+
+
 def test_pool_fraction_holds_the_asked_tokens_for_every_row_size(tokenizer):
     """--cpu-pool-fraction sizes the pool by the rows a policy stores: compressed int4 rows hold as
     many tokens as 16-bit ones are asked to, not several times more."""

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import torch
 
+from infinigen.runtime import int8_rows
 from infinigen.runtime.layers import OffloadedLayer
 from infinigen.runtime.scoring import group_scores
 
@@ -56,6 +57,7 @@ def true_scores(layer: OffloadedLayer, query: torch.Tensor, n: int) -> torch.Ten
         start = index * layer.pool.block_tokens
         if start >= n:
             break
-        keys = block[:, :, : n - start, 0].to(query.device, query.dtype)  # (B, kv_heads, t, d): the K plane
+        keys = block[:, :, : n - start, 0]  # (B, kv_heads, t, d): the K plane (8-bit rows: codes and scale)
+        keys = (int8_rows.decode(keys, query.dtype) if layer.pool.kv_bits == 8 else keys).to(query.device, query.dtype)
         parts.append(group_scores(query, keys, layer.valid[:, :, start : start + keys.shape[2]]))
     return torch.cat(parts, dim=-1)
