@@ -175,6 +175,19 @@ def together() -> None:
         dist.barrier()
 
 
+def leave_group() -> None:
+    """After a command's last collective, this process's exit from the run's process group (nothing in
+    one process or without one). PyTorch asks for it before exit: a process that ends with its NCCL
+    communicators alive may block the others' teardown; the CUDA graphs that hold collectives go first."""
+    if _group_running():
+        import gc
+
+        import torch.distributed as dist
+
+        gc.collect()  # the caches' captured steps, which hold the group's collectives
+        dist.destroy_process_group()
+
+
 def summed(value: float, device: str) -> float:
     """``value`` summed over the ranks of the run (itself in one process); ``device``: where the
     process group's backend reduces (NCCL: the rank's GPU)."""
