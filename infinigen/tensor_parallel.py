@@ -116,6 +116,21 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_device(device: str) -> str:
+    """The device this process computes on: under torchrun with CUDA, its own GPU, ``cuda:LOCAL_RANK``,
+    whatever index ``device`` names (transformers shards the model onto that GPU regardless), and made
+    the current device before anything touches CUDA: streams, pinned pools, Triton launches, CUDA graphs
+    and NCCL all use the current device, and a rank left on GPU 0 would put its context, its copies and
+    its bandwidth measurement there. ``device`` itself in one process or on the CPU."""
+    if world_size() == 1 or not device.startswith("cuda"):
+        return device
+    import torch
+
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
 def loading_arguments(config, ranks: int) -> dict:
     """``from_pretrained`` arguments that shard the model over ``ranks`` processes with transformers'
     tensor parallelism (``DistributedConfig(tp_size=N)``: 5.17 and 5.24 both take it; the older
@@ -158,6 +173,19 @@ def together() -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def leave_group() -> None:
+    """After a command's last collective, this process's exit from the run's process group (nothing in
+    one process or without one). PyTorch asks for it before exit: a process that ends with its NCCL
+    communicators alive may block the others' teardown; the CUDA graphs that hold collectives go first."""
+    if _group_running():
+        import gc
+
+        import torch.distributed as dist
+
+        gc.collect()  # the caches' captured steps, which hold the group's collectives
+        dist.destroy_process_group()
 
 
 def summed(value: float, device: str) -> float:

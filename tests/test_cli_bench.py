@@ -103,6 +103,9 @@ def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_pat
         ("--model {folder} --ratio 0.3", "with --model the artifact sets it"),
         ("--model {folder} --policies infinigen", "speculating policies need the model's artifact"),
         ("--shape tiny-llama --repeat 0", "--repeat and --gen-len must be at least 1"),
+        ("--shape tiny-llama --sizes 2x", "--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384), got '2x'"),
+        ("--model {folder} --layers 2", "--layers goes with --shape"),
+        ("--shape tiny-llama --layers 1", "--layers must be at least 2, got 1"),
     ],
 )
 def test_bench_refuses_bad_combinations(checkpoint, args, message):
@@ -110,6 +113,24 @@ def test_bench_refuses_bad_combinations(checkpoint, args, message):
     argv = ["bench", *args.format(folder=folder).split(), "--device", "cpu", "--dtype", "float32"]
     result = runner.invoke(app, [*argv, "--prompt-len", "32", "--gen-len", "1"])
     assert result.exit_code != 0 and message in " ".join(result.output.split())
+
+
+def test_bench_sizes_pairs_fewer_layers_and_a_baseline_that_refuses():
+    """--sizes runs each batch x context pair, not their product; --layers builds that many layers of
+    the shape's size; transformers' offloaded cache, which needs CUDA, gives its error as its row."""
+    result = bench("--sizes 2x48,1x64 --layers 3 --gen-len 1 --policies full,hf-offloaded --json")
+    assert result.exit_code == 0, result.output
+    report = strict_json(result.stdout)
+    assert report["layers"] == 3
+    rows = report["results"]
+    assert [(r["policy"], r["batch"], r["prompt_len"]) for r in rows] == [
+        ("full", 2, 48),
+        ("hf-offloaded", 2, 48),
+        ("full", 1, 64),
+        ("hf-offloaded", 1, 64),
+    ]
+    assert all(r["ms_per_step"] > 0 and "error" not in r for r in rows[::2])
+    assert all(r["error"] and "\n" not in r["error"] and "ms_per_step" not in r for r in rows[1::2])
 
 
 def test_bench_runtime_sweeps_multiply_only_the_policies_they_change():

@@ -218,6 +218,24 @@ def test_artifact_slices_per_rank_and_indivisible_heads_fail(tmp_path, tokenizer
     assert any(not torch.equal(result["alone"], together) for result in ranks), "the test must tell the two apart"
 
 
+def test_each_rank_computes_on_its_own_gpu(monkeypatch):
+    """Under torchrun a rank's CUDA device is cuda:LOCAL_RANK, made current before anything touches
+    CUDA, whatever index was asked for (transformers shards the model there regardless); one process
+    and the CPU keep the device given."""
+    from infinigen import models
+    from infinigen.tensor_parallel import local_device
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert local_device("cuda:1") == "cuda:1" and current == []  # one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert local_device("cpu") == "cpu" and current == []
+    assert [local_device("cuda"), local_device("cuda:0"), models.resolve_device(None)] == ["cuda:1"] * 3
+    assert current == [1, 1, 1]
+
+
 @pytest.mark.parametrize(
     ("arch", "settings", "message"),
     [

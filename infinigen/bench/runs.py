@@ -207,12 +207,18 @@ def run_repeated(
 
 def unless_out_of_memory(run: Callable[[], dict], case: BenchCase, device: torch.device) -> dict:
     """``run()``, or where the case does not fit the GPU, its settings with ``error``: a sweep goes
-    on past it (dense decoding is the ideal only where it fits)."""
+    on past it (dense decoding is the ideal only where it fits). Likewise where one of transformers'
+    caches refuses the setting (its offloaded cache needs CUDA): its error is that baseline's row."""
     try:
         return run()
     except torch.OutOfMemoryError as exc:
         wanted = re.search(r"allocate ([\d.]+ \w+)", str(exc))
         error = "out of GPU memory" + (f" allocating {wanted[1]}" if wanted else "")
+    except Exception as exc:  # ours must not fail: only a baseline's failure is a result
+        if case.ours:
+            raise
+        lines = str(exc).strip().splitlines()
+        error = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     # out of the handler: the traceback's frames are gone, and with them the case's tensors
     _release_cached_memory(device)
     return case_settings(case) | {"error": error}
@@ -366,7 +372,13 @@ class Subject:
 
 
 def load_subject(
-    shape: str, model: str | None, artifact: str | None, text: str | None, device: str, dtype: str | None
+    shape: str,
+    model: str | None,
+    artifact: str | None,
+    text: str | None,
+    device: str,
+    dtype: str | None,
+    layers: int | None = None,
 ) -> Subject:
     from infinigen.artifacts import open_artifact
     from infinigen.bench.shapes import random_model
@@ -376,7 +388,9 @@ def load_subject(
     if model is None:
         if artifact is not None or text is not None:
             raise InfinigenError("--artifact and --text go with --model (random shapes calibrate their own artifacts)")
-        return Subject(random_model(shape, device, parse_dtype(dtype, device)), shape)
+        return Subject(random_model(shape, device, parse_dtype(dtype, device), layers), shape)
+    if layers is not None:
+        raise InfinigenError("--layers goes with --shape (a real model has its own layers)")
     loaded = load_model(model, device=device, dtype=dtype)
     checked = open_artifact(artifact, loaded.model) if artifact is not None else None
     text_ids = loaded.tokenizer(read_text(text), return_tensors="pt").input_ids[0] if text is not None else None

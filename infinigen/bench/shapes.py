@@ -119,11 +119,17 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def random_model(shape: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
-    """Random weights of ``shape`` on ``device``; under torchrun sharded over the ranks (their devices)."""
+def random_model(shape: str, device: str, dtype: torch.dtype, layers: int | None = None) -> PreTrainedModel:
+    """Random weights of ``shape`` on ``device``; under torchrun sharded over the ranks (their devices).
+    ``layers``: this many decoder layers, each of the shape's size, instead of the shape's count (a
+    70B shape's prefill at 128K tokens takes minutes; a decode step and its memory grow by layer)."""
     if shape not in SHAPES:
         raise InfinigenError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
     fields = dict(SHAPES[shape])
+    if layers is not None:
+        if layers < 2:  # speculation reads the layer before an offloaded one
+            raise InfinigenError(f"--layers must be at least 2, got {layers}")
+        fields["num_hidden_layers"] = layers
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     if world_size() > 1:
         return _sharded_random_model(config, dtype)

@@ -17,7 +17,7 @@ from typer.core import TyperGroup
 from infinigen import __version__
 from infinigen.cli.render import console
 from infinigen.errors import InfinigenError
-from infinigen.tensor_parallel import rank, world_size
+from infinigen.tensor_parallel import leave_group, rank, world_size
 
 _errors = Console(stderr=True)  # never quiet: under torchrun each rank says what failed on it
 
@@ -79,13 +79,15 @@ def command(fn: Callable | None = None, *, on: typer.Typer = app) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except InfinigenError as exc:
             fail(str(exc))
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             fail("interrupted")
             sys.exit(130)
+        leave_group()  # after the last collective of every rank: not on an error, which one rank may meet alone
+        return result
 
     on.command()(wrapper)
     return wrapper

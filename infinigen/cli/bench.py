@@ -14,7 +14,15 @@ from infinigen.cli.render import print_rows, printed_json, progress, stream_row
 from infinigen.errors import InfinigenError
 
 ShapeOpt = Annotated[
-    str, typer.Option(help="Random-weight model shape: opt-6.7b, opt-13b, opt-30b, llama-2-7b, llama-3-8b, tiny-llama.")
+    str,
+    typer.Option(
+        help="Random-weight model shape: opt-6.7b, opt-13b, opt-30b, llama-2-7b, llama-3-8b, tiny-llama; under "
+        "torchrun llama-3-70b, qwen2.5-72b (llama-3-70b-tp2-rank / -tp4-rank: one rank's share, for one GPU)."
+    ),
+]
+LayersOpt = Annotated[
+    int | None,
+    typer.Option(help="--shape: this many decoder layers of the shape's size instead of all (a step grows by layer)."),
 ]
 RealModelOpt = Annotated[
     str | None, typer.Option(help="Real weights instead of --shape: alias, Hub id, checkpoint folder or GGUF file.")
@@ -26,6 +34,13 @@ PromptTextOpt = Annotated[
 RepeatOpt = Annotated[int, typer.Option(help="Runs of each case (own cache and prefill); the median is reported.")]
 BatchOpt = Annotated[str, typer.Option(help="Batch sizes, comma-separated (a sweep).")]
 PromptLenOpt = Annotated[str, typer.Option(help="Context lengths before decoding, comma-separated.")]
+SizesOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Batch x context pairs, comma-separated (8x16384,1x131072): instead of every --batch with every "
+        "--prompt-len, each pair in one run (one model load)."
+    ),
+]
 GenLenOpt = Annotated[int, typer.Option(help="Timed decode steps (after 3 warm-up steps).")]
 RatioOpt = Annotated[
     str, typer.Option(help="--shape: partial channels as a share of head_dim, comma-separated (an artifact each).")
@@ -52,12 +67,14 @@ PlotOpt = Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs con
 def bench(
     runtime: dict,
     shape: ShapeOpt = "llama-3-8b",
+    layers: LayersOpt = None,
     model: RealModelOpt = None,
     artifact: RealArtifactOpt = None,
     text: PromptTextOpt = None,
     repeat: RepeatOpt = 1,
     batch: BatchOpt = "8",
     prompt_len: PromptLenOpt = "16384",
+    sizes: SizesOpt = None,
     gen_len: GenLenOpt = 16,
     ratio: RatioOpt = "0.5",
     graphs: GraphsOpt = "step",
@@ -93,14 +110,16 @@ def bench(
     if model is not None and ratio != str(DEFAULT_RATIO):
         raise InfinigenError("--ratio sweeps random artifacts (--shape); with --model the artifact sets it")
     batches, lengths = parse_list(batch, "--batch", int), parse_list(prompt_len, "--prompt-len", int)
+    pairs = _sizes(sizes) if sizes is not None else [(batches, lengths)]
     modes, ratios = parse_list(graphs, "--graphs", str), parse_list(ratio, "--ratio")
     contexts = parse_list(micro_contexts, "--micro-contexts", int)
     device = resolve_device(device)
-    subject = load_subject(shape, model, artifact, None if text is None else str(text), device, dtype)
+    subject = load_subject(shape, model, artifact, None if text is None else str(text), device, dtype, layers)
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     weights_gb = weight_bytes(subject.model) / 1e9  # under torchrun: this rank's shards
     report = {
         "shape": subject.shape,
+        "layers": subject.model.config.num_hidden_layers,
         "model": model,
         "dtype": dtype,
         "device": card,
@@ -113,7 +132,8 @@ def bench(
         if not printed_json(report, as_json):
             _print_micro(report)
         return
-    cases = bench_cases(settings_grid(runtime), batches, lengths, gen_len, graphs=modes, ratios=ratios)
+    grid = settings_grid(runtime)
+    cases = [case for b, n in pairs for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios)]
     artifacts = subject_artifacts(subject, cases)
     bandwidth = pinned_bandwidth(device)
     report["pinned_h2d_gb_s"] = round(bandwidth, 1) if bandwidth is not None else None
@@ -126,6 +146,17 @@ def bench(
         report["plot"] = str(plot_bench(report, plot))
     if not printed_json(report, as_json):
         _print_bench(report)
+
+
+def _sizes(text: str) -> list[tuple[list[int], list[int]]]:
+    """--sizes 8x16384,1x131072 -> [([8], [16384]), ([1], [131072])]: each pair a sweep of its own."""
+    pairs = []
+    for pair in text.split(","):
+        parts = pair.strip().lower().split("x")
+        if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+            raise InfinigenError(f"--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384), got {text!r}")
+        pairs.append(([int(parts[0])], [int(parts[1])]))
+    return pairs
 
 
 def _run(subject, artifacts: dict, cases: list, repeat: int, breakdown: bool, as_json: bool) -> tuple[list, list]:
@@ -207,6 +238,8 @@ def _print_bench(report: dict) -> None:
         for row in report["results"]
     ]
     title = f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}"
+    if report.get("ranks"):
+        title += f", rank 0 of {report['ranks']}"
     swept = _swept(rows)
     columns = dict(list(BENCH_COLUMNS.items())[:2]) | swept | BENCH_COLUMNS  # what the sweeps vary, after the budget
     print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), columns, rows)
