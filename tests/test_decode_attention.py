@@ -41,6 +41,16 @@ def test_split_decode_attention_in_interpreter():
     run_in_interpreter(CHECK + '\ncheck("cpu", torch.float32, 1e-5)\nprint("ok")\n')
 
 
+@pytest.mark.skipif(decode_attention.triton is None, reason="triton is not installed")
+def test_wide_rows_take_fewer_keys_per_loop_step():
+    """A loop step's key and value tiles fit an H100's shared memory at every pipeline stage: float32
+    rows of head_dim 256 (Gemma 3) take 32 keys a step, 16-bit ones and narrower rows 64."""
+    assert decode_attention.keys_per_step(256, torch.float32) == 32
+    assert decode_attention.keys_per_step(256, torch.bfloat16) == decode_attention.BLOCK_N == 64
+    assert decode_attention.keys_per_step(128, torch.float32) == 64
+    assert decode_attention.keys_per_step(512, torch.float32) == 16
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

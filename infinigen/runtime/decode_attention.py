@@ -21,6 +21,16 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK_N = 64  # keys per loop step
+# Bytes of one key row per loop step at most: a step's key and value tiles sit in shared memory once
+# per pipeline stage, and float32 rows of head_dim 256 (Gemma 3) at 64 keys need 276 KiB, more than
+# an H100 has (227 KiB).
+ROW_BYTES_PER_STEP = 64 * 512
+
+
+def keys_per_step(head_dim: int, dtype: torch.dtype) -> int:
+    """BLOCK_N, or fewer keys per loop step for wide rows (a power of two, at least 16)."""
+    row_bytes = triton.next_power_of_2(head_dim) * dtype.itemsize
+    return max(16, min(BLOCK_N, ROW_BYTES_PER_STEP // row_bytes))
 
 
 def available(device: torch.device) -> bool:
@@ -46,8 +56,9 @@ def split_decode_attention(
     batch, kv_heads, group, head_dim = query.shape
     length = keys.shape[2]
     rows = batch * kv_heads
-    splits = max(1, min(triton.cdiv(_target_programs(query.device), rows), triton.cdiv(length, BLOCK_N)))
-    chunk = triton.cdiv(triton.cdiv(length, splits), BLOCK_N) * BLOCK_N
+    block_n = keys_per_step(head_dim, keys.dtype)
+    splits = max(1, min(triton.cdiv(_target_programs(query.device), rows), triton.cdiv(length, block_n)))
+    chunk = triton.cdiv(triton.cdiv(length, splits), block_n) * block_n
     splits = triton.cdiv(length, chunk)
     block_g, block_d = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim))
     acc = torch.empty(rows, splits, group, head_dim, dtype=torch.float32, device=query.device)
@@ -61,7 +72,7 @@ def split_decode_attention(
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0, mask.stride(2),
-        HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
     )  # fmt: skip
     weights = torch.exp(maxima - maxima.amax(dim=1, keepdim=True))  # (rows, splits, G)
