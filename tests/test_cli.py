@@ -27,7 +27,7 @@ def test_runtime_options_come_from_runtime_config():
     from infinigen.runtime import RuntimeConfig
 
     fields = cli_fields()
-    assert {f.name for f in fields} >= {"policy", "budget", "alpha", "partial_key_bits", "reuse_rows"}
+    assert {f.name for f in fields} >= {"policy", "budget", "alpha", "partial_key_bits", "reuse_rows", "reuse_gpu_gb"}
     group = typer.main.get_command(app)
     commands = {"generate": group.commands["generate"], "bench": group.commands["bench"]}
     commands |= {f"eval {name}": group.commands["eval"].commands[name] for name in ("ppl", "tasks", "needle")}
@@ -116,10 +116,11 @@ def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
     assert len(report["outputs"]) == 2 and report["stats"]["batch"] == 2
     assert report["stats"]["new_tokens"] == 6 and 0 < report["stats"]["fraction_fetched"] <= 1
     assert report["stats"]["bytes_host_to_device"] > 0 and set(report["stats"]["per_layer"]) == offloaded
-    reusing = invoke(*args, "--reuse-rows")  # rows kept on the GPU between steps: same text, fewer bytes
+    assert report["stats"]["reuse_rows"] == "off (auto: CPU, no transfers to save)"
+    reusing = invoke(*args, "--reuse-rows", "on")  # rows kept on the GPU between steps: same text, fewer bytes
     assert reusing.exit_code == 0, reusing.output
     again = json.loads(reusing.stdout)
-    assert again["outputs"] == report["outputs"]
+    assert again["outputs"] == report["outputs"] and again["stats"]["reuse_rows"] == "on (asked)"
     assert again["stats"]["bytes_host_to_device"] < report["stats"]["bytes_host_to_device"]
 
 
@@ -331,7 +332,7 @@ def test_eval_compare(tmp_path):
         (["generate", "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
         (["bench", "--policy", "dense,best"], "--policies takes dense, full"),
         (["bench", "--budget", "0.1,x"], "--budgets takes float values"),
-        (["bench", "--reuse-rows", "maybe"], "--reuse-rows takes off or on"),
+        (["bench", "--reuse-rows", "maybe"], "--reuse-rows takes auto, on, off"),
         (["eval", "ppl", "--text", "x.txt", "--alpha", "nan"], "--alpha takes a number"),
         (["eval", "ppl", "--text", "x.txt", "--cpu-pool-fraction", "2"], "--cpu-pool-fraction must be in (0, 1]"),
     ],

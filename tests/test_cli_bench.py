@@ -157,13 +157,14 @@ def test_bench_row_reuse_sweep():
     )
     assert result.exit_code == 0, result.output
     rows = {(r["policy"], r["reuse_rows"]): r for r in json.loads(result.stdout)["results"]}
-    assert set(rows) == {("full", None), ("infinigen", False), ("infinigen", True), ("h2o", False), ("h2o", True)}
+    assert set(rows) == {("full", None), ("infinigen", "off"), ("infinigen", "on"), ("h2o", "off"), ("h2o", "on")}
+    assert rows["full", None]["reuse"] is None and rows["h2o", "on"]["reuse"] == "on (asked)"
     for policy in ("infinigen", "h2o"):
-        plain, reusing = rows[policy, False], rows[policy, True]
+        plain, reusing = rows[policy, "off"], rows[policy, "on"]
         assert reusing["fraction_fetched"] == pytest.approx(plain["fraction_fetched"], abs=1e-3)
         assert reusing["h2d_mb_per_step"] < plain["h2d_mb_per_step"]
     wrong = bench("--batch 1 --prompt-len 32 --gen-len 1 --policies infinigen --reuse-rows maybe")
-    assert wrong.exit_code != 0 and "--reuse-rows takes off or on" in wrong.output
+    assert wrong.exit_code != 0 and "--reuse-rows takes auto, on, off" in wrong.output
 
 
 def test_bench_graphs_sweep_covers_our_caches_only():

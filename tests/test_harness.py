@@ -107,7 +107,7 @@ def test_model_args_are_runtime_settings():
         "policy": "quest",
         "budget": 1.0,
         "alpha": math.inf,
-        "reuse_rows": True,
+        "reuse_rows": "on",
     }
     with pytest.raises(InfinigenError, match="unknown model args budgets"):
         runtime_settings({"budgets": 0.1})

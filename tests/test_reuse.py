@@ -1,14 +1,20 @@
 """Row reuse's placement: kept rows stay in place, only new rows move, and the resident positions
 then hold exactly the selection. The Triton kernel (run by Triton's CPU interpreter here) must give
-the PyTorch path's placement exactly."""
+the PyTorch path's placement exactly. And auto's decision: on where the resident rows fit the room
+(a cap, or half the free GPU memory), off on the CPU and with a limited pool, dropped cleanly when
+the pools outgrow the room."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import run_in_interpreter
+from helpers import EXACT, greedy, padded_batch, tiny_setup
+from transformers import DynamicCache
 
-from infinigen.runtime import reuse
+from infinigen.errors import InfinigenError
+from infinigen.runtime import cache_for, reuse
+from infinigen.runtime.config import RuntimeConfig, parse_value
 from infinigen.runtime.reuse import ResidentRows
 
 
@@ -136,3 +142,124 @@ print("ok")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernels")
 def test_placement_kernel_in_interpreter():
     run_in_interpreter(KERNEL)
+
+
+# --- auto's decision ------------------------------------------------------------------------------
+
+
+def test_the_decision_given_a_memory_cap():
+    room = reuse.room_from(free=10 * 10**9, cap_gb=1.0)  # the cap is below half the free memory
+    assert room == (10**9, "the cap of 1 GB")
+    fits, too_big = reuse.decide(400 * 10**6, room), reuse.decide(1_200 * 10**6, room)
+    assert fits.on and str(fits) == "on (auto: 0.40 GB fits in the cap of 1 GB)"
+    assert not too_big.on and str(too_big) == "off (auto: 1.20 GB exceeds the cap of 1 GB)"
+    assert not reuse.decide(1, reuse.room_from(free=10 * 10**9, cap_gb=0.0)).on  # a cap of 0: never
+    # a cap above half the free memory: half the free memory decides
+    assert reuse.room_from(free=4 * 10**9, cap_gb=10.0) == (2 * 10**9, "half of 4.00 GB free, under the cap of 10 GB")
+    assert reuse.room_from(free=4 * 10**9, cap_gb=None) == (2 * 10**9, "half of 4.00 GB free")
+    assert str(reuse.decide(0, None)) == "off (auto: CPU, no transfers to save)"
+
+
+def test_reuse_rows_takes_auto_on_off_and_the_old_switches():
+    assert RuntimeConfig().reuse_rows == "auto" and RuntimeConfig().reuse_gpu_gb is None
+    assert RuntimeConfig(reuse_rows=True).reuse_rows == "on" and RuntimeConfig(reuse_rows=False).reuse_rows == "off"
+    assert [parse_value("reuse_rows", t) for t in ("auto", "on", "true", "0")] == ["auto", "on", "on", "off"]
+    assert parse_value("reuse_gpu_gb", "none") is None and parse_value("reuse_gpu_gb", "2.5") == 2.5
+    with pytest.raises(InfinigenError, match="--reuse-rows takes auto, on, off, got 'maybe'"):
+        parse_value("reuse_rows", "maybe")
+    with pytest.raises(InfinigenError, match="reuse_gpu_gb must be >= 0"):
+        RuntimeConfig(reuse_gpu_gb=-1.0)
+
+
+def pretend_a_gpu(monkeypatch, free: int = 10**12) -> None:
+    """Auto decides as on a GPU with ``free`` bytes free (the CPU path moves the same rows)."""
+    monkeypatch.setattr(reuse, "reuse_room", lambda device, cap_gb: reuse.room_from(free, cap_gb))
+
+
+def decode(tokenizer, **settings):
+    """Greedy tokens and the summary of a tiny Llama decoding 16 tokens after padded prompts of 40 and
+    57 tokens (pool blocks of 8 tokens: the pools grow during decoding)."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 57)]
+    inputs = padded_batch(prompts, pad=1, device="cpu")
+    cache = cache_for(model, artifact, policy="infinigen", block_tokens=8, **settings)
+    return greedy(model, inputs, cache, new_tokens=16), cache
+
+
+def test_auto_is_off_on_the_cpu_and_with_a_limited_pool(tokenizer):
+    _, cache = decode(tokenizer, budget=0.3)
+    assert cache.summary()["reuse_rows"] == "off (auto: CPU, no transfers to save)"
+    _, limited = decode(tokenizer, budget=0.3, cpu_pool_gb=1.0)
+    assert limited.summary()["reuse_rows"] == "off (auto: limited CPU pool)"
+    with pytest.raises(InfinigenError, match="reuse_rows needs an unlimited CPU pool"):
+        decode(tokenizer, budget=0.3, cpu_pool_gb=1.0, reuse_rows="on")
+    model, _ = tiny_setup(tokenizer, "llama", "cpu")
+    assert cache_for(model, policy="full").summary()["reuse_rows"] is None  # not a budgeted policy
+
+
+def test_auto_follows_the_cap(tokenizer, monkeypatch):
+    """The same tokens whatever auto decides; fewer bytes where the resident rows fit the cap."""
+    pretend_a_gpu(monkeypatch)
+    plain_tokens, plain = decode(tokenizer, budget=0.3, reuse_rows="off")
+    assert plain.summary()["reuse_rows"] == "off (asked)"
+    tokens, fits = decode(tokenizer, budget=0.3, reuse_gpu_gb=1.0)
+    summary = fits.summary()
+    assert torch.equal(tokens, plain_tokens)
+    assert summary["reuse_rows"].startswith("on (auto: 0.00 GB fits in the cap of 1 GB")
+    assert 0 < summary["bytes_host_to_device"] < plain.summary()["bytes_host_to_device"]
+    tokens, small = decode(tokenizer, budget=0.3, reuse_gpu_gb=1e-9)
+    assert torch.equal(tokens, plain_tokens)
+    assert small.summary()["reuse_rows"].startswith("off (auto: 0.00 GB exceeds the cap of 1e-09 GB")
+    assert small.summary()["bytes_host_to_device"] == plain.summary()["bytes_host_to_device"]
+    assert all(layer.resident is None for layer in small.offloaded)
+
+
+def test_the_estimate_bounds_what_the_resident_rows_take(tokenizer, monkeypatch):
+    pretend_a_gpu(monkeypatch)
+    _, cache = decode(tokenizer, budget=0.3, reuse_rows="on")
+    layers = cache.offloaded
+    held = sum(t.nbytes for layer in layers for t in vars(layer.resident).values())
+    batch, kv_heads = layers[0].valid.shape[:2]
+    need = reuse.resident_bytes(batch, kv_heads, layers[0].head_dim, 4, layers[0].capacity, cache.layer_budgets, 8)
+    assert held <= need < 4 * held  # at this tiny size quest's page slack and the growth copy weigh most
+    # Llama-3-8B at 8 x 16K, 10% on each of 30 offloaded layers: that share of the KV, plus position lookups
+    share = 0.1 * 30 * 8 * 8 * 16384 * 2 * 128 * 2
+    assert share < reuse.resident_bytes(8, 8, 128, 2, 16384, [0.1] * 30, 8) < 1.15 * share
+
+
+def test_auto_falls_back_when_the_pools_outgrow_the_cap(tokenizer, monkeypatch):
+    """A cap that fits the prompt's pools but not the grown ones: reuse on at first, then every layer
+    drops its resident rows and fetches as without reuse; the same tokens throughout."""
+    pretend_a_gpu(monkeypatch)
+    plain_tokens, plain = decode(tokenizer, budget=0.3, reuse_rows="off")
+    layer = plain.offloaded[0]
+    batch, kv_heads = layer.valid.shape[:2]
+
+    def need(capacity):
+        return reuse.resident_bytes(batch, kv_heads, layer.head_dim, 4, capacity, plain.layer_budgets, 8)
+
+    prompt_capacity = 64  # 57 prompt tokens in blocks of 8
+    assert layer.capacity > prompt_capacity
+    cap_gb = (need(prompt_capacity) + need(prompt_capacity + 8)) / 2 / 1e9
+    tokens, cache = decode(tokenizer, budget=0.3, reuse_gpu_gb=cap_gb)
+    assert torch.equal(tokens, plain_tokens)
+    assert "exceeds the cap" in cache.summary()["reuse_rows"]
+    assert cache.summary()["reuse_rows"].endswith(", from 72 tokens on)")
+    assert all(layer.resident is None for layer in cache.offloaded)
+    _, reusing = decode(tokenizer, budget=0.3, reuse_rows="on")
+    moved = cache.summary()["bytes_host_to_device"]
+    assert reusing.summary()["bytes_host_to_device"] < moved < plain.summary()["bytes_host_to_device"]
+
+
+@pytest.mark.parametrize("policy", ["infinigen", "quest", "oracle"])
+def test_budget_one_stays_exact_with_auto_reuse_on(tokenizer, monkeypatch, policy):
+    pretend_a_gpu(monkeypatch)
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (9, 23, 16)]
+    inputs = padded_batch(prompts, pad=1, device="cpu")
+    expected = greedy(model, inputs, DynamicCache())
+    cache = cache_for(model, artifact, policy=policy, **EXACT)
+    assert torch.equal(greedy(model, inputs, cache), expected)
+    assert cache.summary()["reuse_rows"].startswith("on (auto:")

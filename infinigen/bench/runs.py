@@ -267,6 +267,7 @@ def run_case(
         steps = case.warmup + case.gen_len
         per_step = stats["bytes_host_to_device"] / steps
         result |= {
+            "reuse": stats["reuse_rows"],  # what reuse_rows (auto by default) did, and why
             "fraction_fetched": stats["fraction_fetched"],
             "fraction_bytes": stats["fraction_bytes"],
             "h2d_mb_per_step": round(per_step / 1e6, 3),

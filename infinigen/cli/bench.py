@@ -209,6 +209,7 @@ BENCH_COLUMNS = {
     "context": "prompt_len",
     "ms/step": "ms_per_step",
     "tok/s": "decode_tok_s",
+    "reuse": "reuse_shown",
     "fetched": "fraction_fetched",
     "H2D MB/step": "h2d_mb_per_step",
     "H2D GB/s": "h2d_gb_s",
@@ -237,6 +238,8 @@ def _print_bench(report: dict) -> None:
         row | ({"share_of_pinned": f"{row['h2d_gb_s'] / bandwidth:.0%}"} if measured and "h2d_gb_s" in row else {})
         for row in report["results"]
     ]
+    for row in rows:  # on / off in the table; why, in the JSON report
+        row["reuse_shown"] = row["reuse"].split()[0] if row.get("reuse") else None
     title = f"{report.get('model') or report['shape']} {report['dtype']} on {report['device']}"
     if report.get("ranks"):
         title += f", rank 0 of {report['ranks']}"

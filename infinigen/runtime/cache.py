@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache
 from infinigen.architectures import decoder_layers, model_spec, sliding_windows
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.runtime import int8_rows
+from infinigen.runtime import int8_rows, reuse
 from infinigen.runtime.allocation import offloaded_budgets
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.hooks import attach
@@ -60,7 +60,7 @@ class InfinigenCache(Cache):
         self.policy = make_policy(config)
         if self.policy.speculates and artifact is None:
             raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
-        if config.reuse_rows and self.policy.codec is not None:
+        if config.reuse_rows == "on" and self.policy.codec is not None:
             raise InfinigenError(
                 f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed"
             )
@@ -124,6 +124,19 @@ class InfinigenCache(Cache):
         self.capturing = False  # a decode step is being captured: no host work that a replay would skip
         self.replayed_steps = 0  # decode steps run as graph replays (the last one's waits are timed)
         self.diagnostics = Diagnostics()
+        # row reuse (budgeted policies only; None: not applicable): on / off as asked, or auto, decided at
+        # the first prefill (``measure_reuse_room``) and each time the pools grow (``reuses``)
+        self.reuse: reuse.Decision | None = None
+        self.reuse_auto = False  # an auto decision still to make, or to check again as the pools grow
+        self.reuse_room: tuple[int, str] | None = None  # what auto reuse may take (bytes, how chosen)
+        self.reuse_capacity = 0  # the pool capacity of the latest auto decision
+        if self.policy.budgeted:
+            if config.reuse_rows != "auto":
+                self.reuse = reuse.Decision(config.reuse_rows == "on", "asked")
+            elif config.cpu_pool_gb is not None:  # an evicted slot would leave a stale resident row
+                self.reuse = reuse.Decision(False, "auto: limited CPU pool")
+            else:
+                self.reuse, self.reuse_auto = reuse.Decision(False, "auto: no decode step yet"), True
         # last: a cache that failed to initialise leaves nothing on the model
         self._detach = weakref.finalize(self, attach(model, self))
 
@@ -167,6 +180,40 @@ class InfinigenCache(Cache):
             return None
         tokens -= tokens % self.config.block_tokens if tokens >= self.config.block_tokens else 0
         return tokens
+
+    # --- row reuse ---------------------------------------------------------------------------
+
+    def measure_reuse_room(self) -> None:
+        """At the first prefill (never inside a captured step): the GPU memory auto reuse may take;
+        on the CPU, auto's decision (off)."""
+        if self.reuse_auto and self.reuse_room is None:
+            self.reuse_room = reuse.reuse_room(self.device, self.config.reuse_gpu_gb)
+            if self.reuse_room is None:
+                self.reuse, self.reuse_auto = reuse.decide(0, None), False
+
+    def reuses(self, layer: OffloadedLayer) -> bool:
+        """Whether ``layer``'s decode fetches keep rows on the GPU. Auto decides at the first decode
+        fetch and again whenever a pool has grown, from host arithmetic alone (it may run while a step
+        is captured); where the rows no longer fit, every layer drops its resident rows and fetches
+        as without reuse from then on."""
+        if self.reuse_auto and layer.capacity > self.reuse_capacity:
+            batch, kv_heads = layer.valid.shape[:2]
+            need = reuse.resident_bytes(
+                batch,
+                kv_heads,
+                layer.head_dim,
+                layer.dtype.itemsize,
+                layer.capacity,
+                self.layer_budgets,
+                self.config.min_tokens,
+            )
+            decision = reuse.decide(need, self.reuse_room)
+            if self.reuse.on and not decision.on:
+                for other in self.offloaded:
+                    other.resident = None  # a step's rows in flight stay referenced by its ``Fetched``
+                decision = reuse.Decision(False, f"{decision.reason}, from {layer.capacity} tokens on")
+            self.reuse, self.reuse_auto, self.reuse_capacity = decision, decision.on, layer.capacity
+        return self.reuse is not None and self.reuse.on
 
     # --- transfers ---------------------------------------------------------------------------
 
@@ -269,7 +316,7 @@ class InfinigenCache(Cache):
         indices, count = self._indices(layer, selection), selection.count
         if valid is None:
             valid = self.fetch_mask(layer, selection)
-        if self.config.reuse_rows and self.policy.budgeted:
+        if step and self.reuses(layer):  # a multi-token step's bulk fetch leaves the resident rows alone
             return self._fetch_new_rows(layer, indices, count, valid, step)
         batch, kv_heads, k = indices.shape
         parity = layer.index % 2
@@ -390,5 +437,6 @@ class InfinigenCache(Cache):
             "policy": self.policy.name,
             "allocation": allocation,
             "kv_bits": kv_bits if self.policy.offloads and self.policy.plain_rows else None,  # else n/a
+            "reuse_rows": None if self.reuse is None else str(self.reuse),  # e.g. "on (auto: 0.40 GB fits in ...)"
         }
         return head | summary | {"replayed_steps": self.replayed_steps}

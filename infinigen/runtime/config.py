@@ -20,6 +20,7 @@ Eviction = Literal["counter", "fifo", "lru"]
 LookaheadFrom = Literal["input", "attention"]
 PartialKeyBits = Literal[4, 8, 16]
 KVBits = Literal[16, 8]
+ReuseRows = Literal["auto", "on", "off"]
 Allocation = Literal["adaptive", "uniform"]
 
 
@@ -118,10 +119,20 @@ class RuntimeConfig:
         "scale per token, KV head and K/V, dequantised as rows are fetched: about half the bytes).",
         applies_to=("offloads", "plain_rows"),
     )
-    reuse_rows: bool = option(
-        False,
+    # auto: on where it pays and fits (runtime.reuse.decide): on a GPU, for budgeted policies with an
+    # unlimited pool, while the resident rows fit in reuse_gpu_gb or half the free GPU memory
+    reuse_rows: ReuseRows = option(
+        "auto",
         "Keep each layer's fetched rows on the GPU between steps and move only new ones: fewer bytes, for "
-        "the budget's share of the KV in GPU memory (budgeted policies, unlimited pool).",
+        "the budget's share of the KV in GPU memory (budgeted policies, unlimited pool). auto: on where those "
+        "rows fit (--reuse-gpu-gb, else half the GPU's free memory), off on the CPU and with a CPU pool "
+        "limit | on | off.",
+        applies_to=("budgeted",),
+    )
+    reuse_gpu_gb: float | None = option(
+        None,
+        "Most GPU memory in GB (10^9 bytes) that auto row reuse may take (also at most half the free "
+        "memory). Default: half the GPU's free memory at prefill.",
         applies_to=("budgeted",),
     )
     # Tuning of the CUDA row gather (``runtime.transfer``): measured in BENCHMARKS.md, "Things tried that did not pay".
@@ -131,6 +142,9 @@ class RuntimeConfig:
     gather_rows: int = option(16, "Rows a CUDA gather program moves per loop step (a power of two).", cli=False)
 
     def __post_init__(self) -> None:
+        reuse = self.reuse_rows  # True / False and on / off spellings (yes, 1, ...) as before: on / off
+        if isinstance(reuse, bool) or (isinstance(reuse, str) and reuse.lower() in _SWITCHES):
+            object.__setattr__(self, "reuse_rows", "on" if _SWITCHES[str(reuse).lower()] else "off")
         if self.policy not in get_args(PolicyName):
             raise InfinigenError(f"unknown policy {self.policy!r}: choose one of {', '.join(get_args(PolicyName))}")
         if not 0 < self.budget <= 1:  # also refuses NaN
@@ -143,7 +157,7 @@ class RuntimeConfig:
             raise InfinigenError("sink_tokens and recent_tokens must be >= 0")
         if self.min_tokens < 1 or self.block_tokens < 1:
             raise InfinigenError("min_tokens and block_tokens must be >= 1")
-        for name in ("allocation", "eviction", "lookahead_from", "partial_key_bits", "kv_bits"):
+        for name in ("allocation", "eviction", "lookahead_from", "partial_key_bits", "kv_bits", "reuse_rows"):
             choices = get_args(_FIELD_TYPES[name])
             if getattr(self, name) not in choices:
                 shown = ", ".join(map(str, choices))
@@ -154,7 +168,9 @@ class RuntimeConfig:
             raise InfinigenError(f"gather_rows must be a power of two, got {self.gather_rows}")
         if self.cpu_pool_gb is not None and not (0 < self.cpu_pool_gb < math.inf):
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
-        if self.reuse_rows and self.cpu_pool_gb is not None:
+        if self.reuse_gpu_gb is not None and not (0 <= self.reuse_gpu_gb < math.inf):
+            raise InfinigenError(f"reuse_gpu_gb must be >= 0 (None: half the free GPU memory), got {self.reuse_gpu_gb}")
+        if self.reuse_rows == "on" and self.cpu_pool_gb is not None:
             raise InfinigenError("reuse_rows needs an unlimited CPU pool (an evicted slot would leave a stale row)")
 
 
@@ -164,6 +180,7 @@ _FIELD_TYPES = {
     "lookahead_from": LookaheadFrom,
     "partial_key_bits": PartialKeyBits,
     "kv_bits": KVBits,
+    "reuse_rows": ReuseRows,
 }
 RUNTIME_FIELDS = tuple(fields(RuntimeConfig))
 
@@ -230,6 +247,8 @@ def parse_value(name: str, text: str, option: str | None = None, more_choices: t
         raise InfinigenError(f"{option} takes {kind.__name__} values, got {text!r}") from None
     if kind is float and math.isnan(value):
         raise InfinigenError(f"{option} takes a number, got {text!r}")
+    if kind is str and {"on", "off"} <= set(choices) and text.lower() in _SWITCHES:  # true, yes, 0 ...
+        return "on" if _SWITCHES[text.lower()] else "off"
     if choices and value not in choices:
         raise InfinigenError(f"{option} takes {', '.join(map(str, choices))}, got {text!r}")
     return value

@@ -296,6 +296,7 @@ def run_stats(cache: InfinigenCache, timer: TokenTimer, batch: int, prompt_len: 
         "decode_tok_s": round(batch * (new_tokens - 1) / decode_s, 1) if decode_s > 0 else None,
         "budget": cache.config.budget if cache.policy.budgeted else None,
         "allocation": summary["allocation"],
+        "reuse_rows": summary["reuse_rows"],  # whether rows stayed on the GPU, and why
         "fraction_fetched": summary["fraction_fetched"],
         "fraction_fetched_p95": max((v["fraction_p95"] for v in summary["per_layer"].values()), default=0.0),
         "bytes_host_to_device": summary["bytes_host_to_device"],

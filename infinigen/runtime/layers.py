@@ -170,6 +170,7 @@ class OffloadedLayer(_Layer):
         batch, kv_heads, _, self.head_dim = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         self.max_tokens = self.runtime.pool_limit(batch, self.dtype)
+        self.runtime.measure_reuse_room()
         self.pool = KVPool(
             batch,
             kv_heads,

@@ -6,10 +6,16 @@ gives the new rows the positions the dropped ones free, so nothing but the new r
 On CUDA the placement is one Triton kernel per layer (a program per (batch row, head)); elsewhere
 the same result comes from PyTorch indexing. Device work only, fixed shapes: it runs inside
 captured selections.
+
+Whether a cache reuses rows (``decide``, for ``reuse_rows="auto"``) is host arithmetic: what the
+resident buffers need at a pool capacity (``resident_bytes``) against the room measured once, at the
+first prefill (``reuse_room``).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +29,60 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 BLOCK = 1024  # positions or selected slots per loop step of the placement kernel
+FREE_SHARE = 0.5  # of the GPU's free memory at prefill, what auto reuse may take without a cap
+PAGE_SLACK = 16  # quest selects whole 16-token pages: up to 15 slots past the budget's share
+
+
+@dataclass(frozen=True)
+class Decision:
+    on: bool
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{'on' if self.on else 'off'} ({self.reason})"
+
+
+def resident_bytes(
+    batch: int, kv_heads: int, head_dim: int, itemsize: int, capacity: int, budgets: Sequence[float], min_tokens: int
+) -> int:
+    """GPU bytes of every offloaded layer's ``ResidentRows`` at a pool ``capacity`` (slots per
+    (batch row, KV head)): each holds a layer's selection, at most its budget's share of the capacity
+    (``budgets``: each layer's), as K and V rows plus the token's own, with a slot per position and a
+    position per slot. One layer's buffers more for the copy while one grows."""
+    per_layer = []
+    for budget in budgets:
+        positions = min(capacity, max(min_tokens, math.ceil(budget * capacity))) + PAGE_SLACK
+        row = 2 * (positions + 1) * head_dim * itemsize + 8 * positions + 4 * capacity
+        per_layer.append(batch * kv_heads * row)
+    return sum(per_layer) + max(per_layer, default=0)
+
+
+def reuse_room(device: torch.device, cap_gb: float | None) -> tuple[int, str] | None:
+    """The bytes auto reuse may take on ``device`` and how they were chosen: ``cap_gb`` where given,
+    at most ``FREE_SHARE`` of the free memory (the device's and the allocator's idle cache). None on
+    the CPU: there the rows move within host memory, with no bus to spare, and keeping them costs a
+    placement per step and layer, so auto leaves reuse off."""
+    if device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return room_from(free, cap_gb)
+
+
+def room_from(free: int, cap_gb: float | None) -> tuple[int, str]:
+    share = int(free * FREE_SHARE)
+    described = f"half of {free / 1e9:.2f} GB free"
+    if cap_gb is None or cap_gb * 1e9 > share:
+        return share, described + ("" if cap_gb is None else f", under the cap of {cap_gb:g} GB")
+    return int(cap_gb * 1e9), f"the cap of {cap_gb:g} GB"
+
+
+def decide(need: int, room: tuple[int, str] | None) -> Decision:
+    """Auto reuse at one capacity: on where the resident rows (``need`` bytes) fit in ``room``."""
+    if room is None:
+        return Decision(False, "auto: CPU, no transfers to save")
+    limit, described = room
+    fits = need <= limit
+    return Decision(fits, f"auto: {need / 1e9:.2f} GB {'fits in' if fits else 'exceeds'} {described}")
 
 
 @dataclass(frozen=True)
