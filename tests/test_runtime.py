@@ -272,7 +272,8 @@ def test_row_reuse_attends_the_same_rows_and_moves_fewer(tokenizer, arch, policy
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 57)]
     inputs = padded_batch(prompts, pad=1, device=device)
     settings = dict(policy=policy, budget=0.3)
-    plain, reusing = cache_for(model, artifact, **settings), cache_for(model, artifact, **settings, reuse_rows=True)
+    plain = cache_for(model, artifact, **settings, reuse_rows="off")  # on CUDA "auto" would reuse too
+    reusing = cache_for(model, artifact, **settings, reuse_rows="on")
     expected = greedy(model, inputs, plain, new_tokens=16)
     assert torch.equal(greedy(model, inputs, reusing, new_tokens=16), expected)
     before, after = plain.summary(), reusing.summary()
@@ -358,7 +359,7 @@ def test_prefill_chunks_count_in_bytes_not_in_the_fraction_fetched(tokenizer, de
     prompt, name = 32, cache_argument(model)
     summaries = []
     for chunk in (prompt, 8):
-        cache = cache_for(model, artifact, policy="oracle", budget=0.25, allocation="uniform")
+        cache = cache_for(model, artifact, policy="oracle", budget=0.25, allocation="uniform", reuse_rows="off")
         with torch.no_grad():
             for start in range(0, prompt, chunk):
                 model(ids[:, start : start + chunk], **{name: cache})
