@@ -77,23 +77,6 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=131072,
         rope_theta=500000.0,
     ),
-    # one rank's share of llama-3-70b at tensor-parallel size N (heads, KV heads and MLP / N; embeddings
-    # whole), for one GPU: a rank's decode step against one GPU's on the same per-rank shape
-    **{
-        f"llama-3-70b-tp{n}-rank": dict(
-            model_type="llama",
-            hidden_size=8192,
-            num_hidden_layers=80,
-            num_attention_heads=64 // n,
-            num_key_value_heads=8 // n,
-            head_dim=128,
-            intermediate_size=28672 // n,
-            vocab_size=128256,
-            max_position_embeddings=131072,
-            rope_theta=500000.0,
-        )
-        for n in (2, 4)
-    },
     # 32K positions natively, 128K with the YaRN scaling Qwen documents: the 128K runs need the positions
     "qwen2.5-72b": dict(
         model_type="qwen2",
@@ -117,6 +100,20 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=4096,
     ),
 }
+
+
+def rank_share(shape: dict, ranks: int) -> dict:
+    """One rank's share of ``shape`` at tensor-parallel size ``ranks`` (heads, KV heads and MLP / ranks;
+    embeddings whole), for one GPU: a rank's decode step against one GPU's on the same per-rank shape."""
+    return shape | dict(
+        num_attention_heads=shape["num_attention_heads"] // ranks,
+        num_key_value_heads=shape["num_key_value_heads"] // ranks,
+        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+        intermediate_size=shape["intermediate_size"] // ranks,
+    )
+
+
+SHAPES.update({f"llama-3-70b-tp{n}-rank": rank_share(SHAPES["llama-3-70b"], n) for n in (2, 4)})
 
 
 def random_model(shape: str, device: str, dtype: torch.dtype, layers: int | None = None) -> PreTrainedModel:
