@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import run_in_interpreter
 
-from infinigen.runtime import transfer
+from infinigen.runtime import host_memory, transfer
 from infinigen.runtime.pool import KVPool
 
 CHECK = r"""
@@ -49,6 +49,14 @@ for b in range(B):
     for h in range(H):
         s = int(slots[b, h])
         assert torch.equal(pool.blocks[s // bt][b, h, s % bt], new[b, h, 0]), "scatter"
+starts = torch.tensor([[5, 0, 13], [2, 17, 9]])  # runs of 6 rows, some across a block's end
+run = torch.randn(B, H, 6, 2, D)
+transfer._launch_scatter(pool, starts, run)
+for b in range(B):
+    for h in range(H):
+        for t in range(6):
+            s = int(starts[b, h]) + t
+            assert torch.equal(pool.blocks[s // bt][b, h, s % bt], run[b, h, t]), "scatter of a run"
 print("ok")
 """
 
@@ -109,18 +117,17 @@ def test_torch_gather_and_scatter_across_blocks():
     new = torch.randn(2, 2, 1, 2, 4)
     transfer.scatter_rows(pool, torch.tensor([[14, 0], [7, 13]]), new)
     assert torch.equal(pool.blocks[2][0, 0, 4], new[0, 0, 0]) and torch.equal(pool.blocks[2][1, 1, 3], new[1, 1, 0])
+    run = torch.randn(2, 2, 3, 2, 4)  # three rows from each head's slot, across a block's end
+    transfer.scatter_rows(pool, torch.tensor([[3, 8], [9, 0]]), run)
+    assert torch.equal(torch.cat([pool.blocks[0][0, 0, 3:], pool.blocks[1][0, 0, :1]]), run[0, 0])
+    assert torch.equal(pool.blocks[1][1, 0, 4:], run[1, 0, :1]) and torch.equal(pool.blocks[2][1, 0, :2], run[1, 0, 1:])
 
 
 def test_new_pool_slots_above_the_reserved_ones_are_zero(monkeypatch):
     """A fetch may read slots nobody wrote (the rest of a Quest page): they must be zeros, never
     the NaN an uninitialised block can hold (a masked NaN row still poisons attention)."""
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs) -> torch.Tensor:
-        tensor = real_empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    real_block = host_memory._new_block
+    monkeypatch.setattr(host_memory, "_new_block", lambda *args: real_block(*args).fill_(255))  # all NaN
     pool = KVPool(1, 2, 4, torch.float32, torch.device("cpu"), block_tokens=8)
     pool.reserve(11)  # the caller writes slots 0 .. 10
     assert len(pool.blocks) == 2 and bool(pool.blocks[1][:, :, 3:].eq(0).all())

@@ -24,6 +24,7 @@ from infinigen.runtime import int8_rows, reuse
 from infinigen.runtime.allocation import offloaded_budgets
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.hooks import attach
+from infinigen.runtime.host_memory import HostBlocks
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_tokens
 from infinigen.runtime.policies import Selection, make_policy
 from infinigen.runtime.pool import row_bytes
@@ -115,6 +116,7 @@ class InfinigenCache(Cache):
         self.stream = side_stream(self.device, "transfer") if cuda else None  # row moves
         self.selection_stream = side_stream(self.device, "selection") if cuda else None
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self.host_blocks = HostBlocks(self.device)  # the pools' blocks, made ahead of each prefill
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # eager steps' waits
         # the captured step's waits: its events are graph nodes, so every replay times them again
         self.step_wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -158,7 +160,28 @@ class InfinigenCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.closed:
             raise InfinigenError("this cache is closed: make a new one with infinigen.cache_for(model)")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        many = key_states.shape[2] > 1
+        if many and layer_idx == 0:
+            self.host_blocks.plan(self.blocks_ahead(key_states))
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if many and layer_idx == len(self.layers) - 1:
+            self.host_blocks.settle()  # before any decode step is captured
+        return out
+
+    def blocks_ahead(self, key_states: torch.Tensor) -> list[int]:
+        """The sizes of the pool blocks a multi-token step of these keys (layer 0's, B, kv_heads, T, d)
+        will add, layer by layer: the offloaded layers' keys have layer 0's shape (a layer whose
+        differ makes its own blocks when it reaches them)."""
+        batch, kv_heads, new, head_dim = key_states.shape
+        rows = row_bytes(head_dim, key_states.dtype, self.policy.codec, self.config.kv_bits)
+        nbytes = batch * kv_heads * self.config.block_tokens * rows
+        limit = self.pool_limit(batch, key_states.dtype)
+        sizes = []
+        for layer in self.offloaded:
+            tokens = layer.used + new if limit is None else min(layer.used + new, limit)
+            have = 0 if layer.pool is None else len(layer.pool.blocks)
+            sizes += [nbytes] * max(0, -(-tokens // self.config.block_tokens) - have)
+        return sizes
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer ``layer``'s rotary (cos, sin) in the running forward (its type's own where types

@@ -93,7 +93,9 @@ def capture(fn: Callable[[], T], stream: torch.cuda.Stream) -> tuple[torch.cuda.
             # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device and
             # empties the allocator's cache (every later allocation a cudaMalloc again) at every
             # capture: costly where caches are short-lived (5-shot tasks: BENCHMARKS.md, "Method")
-            graph.capture_begin()
+            # thread_local: the pools' blocks are pinned on worker threads (``host_memory``), whose
+            # CUDA calls must not end this thread's capture
+            graph.capture_begin(capture_error_mode="thread_local")
             try:
                 outputs = fn()
             finally:

@@ -181,6 +181,7 @@ class OffloadedLayer(_Layer):
             kv_bits=self.config.kv_bits,
             gather_rows=self.config.gather_rows,
             gather_programs=self.config.gather_programs,
+            host=self.runtime.host_blocks,
         )
         self.valid = torch.zeros(batch, kv_heads, 0, dtype=torch.bool, device=self.device)
         if self.max_tokens is not None:  # eviction bookkeeping, only for a limited pool

@@ -1,6 +1,6 @@
 """The CPU KV pool of one offloaded layer.
 
-Layout: blocks of ``[batch, kv_heads, block_tokens, 2, head_dim]`` (pinned when CUDA is used), so
+Layout: blocks of ``[batch, kv_heads, block_tokens, 2, head_dim]`` (pinned on CUDA: ``host_memory``), so
 one token's K and V of one KV head form one contiguous row of ``2 * head_dim`` elements (512 B at
 head_dim 128 in float16): the unit every fetch moves. With ``kv_bits`` 8 a row holds each K and V
 as int8 codes and their scale (``int8_rows``): rows are quantised as they are written and
@@ -13,9 +13,13 @@ PyTorch indexing on CPU.
 
 from __future__ import annotations
 
+import math
+import weakref
+
 import torch
 
 from infinigen.runtime import int8_rows, transfer
+from infinigen.runtime.host_memory import HostBlocks, retire
 from infinigen.runtime.policies.base import RowCodec
 
 
@@ -45,10 +49,12 @@ class KVPool:
         kv_bits: int = 16,
         gather_rows: int = 16,
         gather_programs: int | None = None,
+        host: HostBlocks | None = None,
     ) -> None:
         """``width`` elements of ``dtype`` per K or V: head_dim, or a policy codec's stored width.
         ``kv_bits`` 8: rows of head_dim values are stored in 8 bits (``int8_rows``), and ``dtype``
-        is the one they are written and gathered in."""
+        is the one they are written and gathered in. ``host``: where blocks come from (the cache's,
+        which makes a prefill's blocks ahead of it)."""
         self.kv_bits = kv_bits
         if kv_bits == 8:
             width, dtype = int8_rows.stored_bytes(width), torch.uint8
@@ -57,7 +63,9 @@ class KVPool:
         self.block_tokens = block_tokens
         # the CUDA gather's tuning (``RuntimeConfig.gather_rows``, ``gather_programs``)
         self.gather_rows, self.gather_programs = gather_rows, gather_programs
+        self.host = host or HostBlocks(device)
         self.blocks: list[torch.Tensor] = []
+        weakref.finalize(self, retire, self.blocks, device)  # reused or freed once no queued work reads them
         self.block_table = torch.empty(0, dtype=torch.int64, device=device)  # data_ptr of each block
 
     @property
@@ -73,13 +81,18 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(block.nbytes for block in self.blocks)
 
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block: ``block_tokens`` rows per (batch row, KV head)."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
     def reserve(self, n_tokens: int) -> None:
         """Allocate blocks until ``n_tokens`` slots exist (the caller writes every new slot below
         ``n_tokens``; the new slots above it are zeroed: a fetch of a whole page or a fixed number of
         rows may read them, and attention masks them, but a masked row must hold no NaN)."""
         added, pinned = False, self.device.type == "cuda"
         while self.capacity < n_tokens:
-            self.blocks.append(torch.empty(self.shape, dtype=self.dtype, pin_memory=pinned))
+            self.blocks.append(self.host.take(self.block_nbytes).view(self.dtype).view(self.shape))
             added = True
         if added:
             self.blocks[-1][:, :, n_tokens - self.capacity + self.block_tokens :].zero_()
@@ -99,9 +112,11 @@ class KVPool:
         for index in range(start // self.block_tokens, (end - 1) // self.block_tokens + 1):
             block_start = index * self.block_tokens
             lo, hi = max(start, block_start), min(end, block_start + self.block_tokens)
-            self.blocks[index][:, :, lo - block_start : hi - block_start].copy_(
-                rows[:, :, lo - start : hi - start], non_blocking=True
-            )
+            part = rows[:, :, lo - start : hi - start]
+            if hi - lo == self.block_tokens or not transfer.zero_copy_available(rows.device):
+                self.blocks[index][:, :, lo - block_start : hi - block_start].copy_(part, non_blocking=True)
+            else:  # part of a block: rows strided in the pool, which copy_ would stage in pageable memory
+                transfer.scatter_rows(self, torch.full(rows.shape[:2], lo, device=rows.device), part)
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""

@@ -1,0 +1,146 @@
+"""Host memory for the CPU pools: pinned blocks made ahead of need, off the prefill's critical path.
+
+PyTorch's pinned tensors (``pin_memory=True``: cudaHostAlloc through its caching host allocator)
+cost the first token three ways (H100, 2026-11-27, BENCHMARKS "Prefill"): they pin at ~2 GB/s;
+each allocation holds the driver's lock, so the prefill's kernel launches wait behind it (a 0.3 s
+GPU loop took 3.4 s beside 8 GiB pinned on another thread); and every block is rounded up to a
+power of two (an 8-bit block of 17.3 MB takes 32 MiB). Here a block is an anonymous mapping whose
+pages worker threads fault in (zero) and then register with ``cudaHostRegister``: 15 GB/s on 4
+threads, exact sizes, and the GPU's queue does not wait.
+
+The cache plans a multi-token step's blocks at its first layer (``HostBlocks.plan``); each pool
+takes them as the forward reaches its layer (``take``), and a block nobody planned is made on the
+spot. A dropped pool's blocks are retired, not freed: the next plan synchronises the device once
+(no queued work may still read them), reuses those of the sizes it needs and unregisters the rest.
+On the CPU a block is a plain tensor, made through the same path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+WORKERS = 4  # registration rate levels off beyond 4 threads (H100 host, 16 cores)
+_REGISTER_MAPPED_PORTABLE = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped: the kernels read it by address
+
+_executor: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+# blocks of dropped pools, (device, block) in the order dropped: put here by finalisers, which may run
+# anywhere (inside a captured step too), and taken by the next ``HostBlocks.plan``
+_retired: list[tuple[torch.device, torch.Tensor]] = []
+_registered: set[int] = set()  # data_ptr of every block this process registered and has not unregistered
+
+
+def _workers() -> ThreadPoolExecutor:
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="infinigen-host-blocks")
+        return _executor
+
+
+def retire(blocks: list[torch.Tensor], device: torch.device) -> None:
+    """Hand a dropped pool's blocks back (a finaliser: no CUDA call, no lock held for long)."""
+    with _lock:
+        _retired.extend((device, as_bytes(block)) for block in blocks)
+
+
+def _retire_spare(spare: dict[int, list[torch.Tensor]], device: torch.device) -> None:
+    retire([block for blocks in spare.values() for block in blocks], device)
+
+
+def _new_block(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A (nbytes,) uint8 block: pinned and mapped for ``device`` on CUDA, plain memory on the CPU."""
+    if device.type != "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8)
+    # A mapping of its own: page-aligned, so no two registrations share a page. Its pages are faulted
+    # in here, on this worker: registering absent pages is 3-5x slower. (MAP_POPULATE instead made the
+    # prefill slower still, 8 x 16K: 10.6 against 6.1 s, and OPT-13B's decode steps 3.6x slower.)
+    block = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).zero_()
+    torch.cuda.set_device(device)  # register in this device's context, not device 0's
+    if int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, _REGISTER_MAPPED_PORTABLE)) != 0:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # PyTorch's pinned allocator instead
+    with _lock:
+        _registered.add(block.data_ptr())
+    return block
+
+
+def _free(block: torch.Tensor) -> None:
+    """Unregister a block here, on the thread that plans (never while a step is being captured: a
+    CUDA call from another thread would break the capture), and unmap it on a worker (0.8 s for
+    8 GiB, against 0.15 s to unregister it)."""
+    with _lock:
+        registered = block.data_ptr() in _registered
+        _registered.discard(block.data_ptr())
+    if registered:
+        torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+    _workers().submit(lambda block: None, block)  # the worker drops the last reference: the unmap
+
+
+def as_bytes(block: torch.Tensor) -> torch.Tensor:
+    """The (nbytes,) uint8 view of a contiguous block of any shape and dtype."""
+    return block.reshape(-1).view(torch.uint8)
+
+
+class HostBlocks:
+    """Where one cache's pool blocks come from (a block: ``nbytes`` of host memory, pinned on CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.planned: dict[int, deque[Future]] = defaultdict(deque)  # by size, in the order planned
+        self.spare: dict[int, list[torch.Tensor]] = defaultdict(list)  # blocks kept for reuse
+        weakref.finalize(self, _retire_spare, self.spare, device)  # what is spare when the cache goes
+
+    def plan(self, sizes: list[int]) -> None:
+        """Start making blocks of these sizes (in the order they will be taken) on the workers,
+        reusing retired blocks of the same sizes; retired blocks of other sizes are freed."""
+        self._recycle()
+        for nbytes in set(self.spare) - set(sizes):  # freed first: the host's memory
+            blocks = self.spare.pop(nbytes)
+            while blocks:
+                _free(blocks.pop())
+        for nbytes in sizes:
+            future: Future = Future()
+            if self.spare[nbytes]:
+                future.set_result(self.spare[nbytes].pop())
+            else:
+                future = _workers().submit(_new_block, nbytes, self.device)
+            self.planned[nbytes].append(future)
+        for blocks in self.spare.values():  # more than planned
+            while blocks:
+                _free(blocks.pop())
+        self.spare.clear()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A (nbytes,) uint8 block: the next planned one of this size, else a new one now."""
+        if self.planned[nbytes]:
+            return self.planned[nbytes].popleft().result()
+        return _new_block(nbytes, self.device)
+
+    def settle(self) -> None:
+        """Wait for every planned block (no registration may run while a step is captured) and keep
+        the ones not taken for the next plan."""
+        for nbytes, futures in self.planned.items():
+            self.spare[nbytes].extend(future.result() for future in futures)
+        self.planned.clear()
+
+    @property
+    def pending(self) -> int:
+        return sum(len(futures) for futures in self.planned.values())
+
+    def _recycle(self) -> None:
+        """Make the process's retired blocks for this device spare, once no queued work can read them."""
+        with _lock:
+            mine = [block for device, block in _retired if device == self.device]
+            _retired[:] = [(device, block) for device, block in _retired if device != self.device]
+        if mine and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for block in mine:
+            self.spare[block.numel()].append(block)
