@@ -402,6 +402,19 @@ class InfinigenCache(Cache):
             tensor.record_stream(compute)
         return fetched
 
+    def store(self, layer: OffloadedLayer, start: int, rows: torch.Tensor) -> None:
+        """A multi-token step's rows (B, kv_heads, T, 2, d) into the layer's pool from slot ``start``:
+        on CUDA on the transfer stream, after the compute stream's work so far, so that the copies
+        (all of the prompt's KV over the bus) run beside the next layers' compute instead of holding
+        the compute stream. Every later read of the pool is a gather on that same stream."""
+        if self.stream is None:
+            layer.pool.write_range(start, rows)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            layer.pool.write_range(start, rows)
+        rows.record_stream(self.stream)
+
     def _gather(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The row move itself: inline on CPU; on CUDA on the transfer stream, after the current
         stream's work so far (the selection's), returning the event that marks its end."""

@@ -218,7 +218,7 @@ class OffloadedLayer(_Layer):
         slots = range(self.used, self.used + new)
         self.pool.reserve(slots.stop)
         self._append_metadata(slots.start, slots.stop, key_states)
-        self.pool.write_range(slots.start, self._encoded(key_states, value_states))
+        self.runtime.store(self, slots.start, self._encoded(key_states, value_states))
         self.stats.written_rows += new * key_states.shape[0] * key_states.shape[1]
         self.length += new
         self.used += new
