@@ -71,9 +71,8 @@ def _new_block(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def _free(block: torch.Tensor) -> None:
-    """Unregister a block here, on the thread that plans (never while a step is being captured: a
-    CUDA call from another thread would break the capture), and unmap it on a worker (0.8 s for
-    8 GiB, against 0.15 s to unregister it)."""
+    """Unregister a block here, on the thread that plans (at a prefill, never inside a captured
+    step), and unmap it on a worker (0.8 s for 8 GiB, against 0.15 s to unregister it)."""
     with _lock:
         registered = block.data_ptr() in _registered
         _registered.discard(block.data_ptr())
