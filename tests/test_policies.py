@@ -375,15 +375,16 @@ def test_quantized_kv_tracks_dense_and_moves_fewer_bytes(tokenizer, policy, agre
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_captured_selection_decodes_as_launched_kernels(tiny_llama, policy):
+@pytest.mark.parametrize(("policy", "alpha"), [(policy, None) for policy in sorted(POLICIES)] + [("infinigen", 2.0)])
+def test_captured_selection_decodes_as_launched_kernels(tiny_llama, policy, alpha):
     """CUDA graphs replay the same selection, also across capacity changes (small pool blocks make
-    the captures repeat while decoding)."""
+    the captures repeat while decoding), and with a finite alpha, whose count a score's last bit can
+    change (one GPU: what tensor parallelism adds, the count's all-reduce, is not in this test)."""
     model, artifact = tiny_llama
     if model.device.type != "cuda":
         pytest.skip("CUDA graphs need CUDA")
     inputs = {"input_ids": torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(5)).cuda()}
-    settings = dict(policy=policy, budget=0.3, block_tokens=16)
+    settings = dict(policy=policy, budget=0.3, block_tokens=16) | ({} if alpha is None else {"alpha": alpha})
     captured = cache_for(model, artifact, **settings)
     tokens = greedy(model, inputs, captured, new_tokens=30)
     assert all(layer.selection_graph.capacity == layer.capacity for layer in captured.offloaded)

@@ -45,10 +45,13 @@ def micro_gather(
     fractions: list[float],
     bulk: float | None,
     kv_bits: list[int],
+    gather_rows: int = 16,
+    gather_programs: int | None = None,
 ) -> list[dict]:
     """The selective gather alone (one layer, batch 1, random sorted slots per head) against the
     same run's pinned bulk copy (``bulk`` GB/s; None on CPU): GB/s and share of it per context,
-    fraction and row format (``kv_bits``; GB/s of bytes moved, 8-bit rows dequantised on the way). On
+    fraction and row format (``kv_bits``; GB/s of bytes moved, 8-bit rows dequantised on the way),
+    with the gather's tuning (``RuntimeConfig.gather_rows`` / ``gather_programs``) as given. On
     CUDA the gathers are replayed from a CUDA graph, as decode steps run them, several back to back:
     the figure is the device's time per call, not the host's launch cost."""
     from infinigen.runtime.pool import KVPool
@@ -56,7 +59,17 @@ def micro_gather(
     rows = []
     generator = torch.Generator().manual_seed(0)
     for context, bits in itertools.product(contexts, kv_bits):
-        pool = KVPool(1, kv_heads, head_dim, dtype, torch.device(device), block_tokens=1024, kv_bits=bits)
+        pool = KVPool(
+            1,
+            kv_heads,
+            head_dim,
+            dtype,
+            torch.device(device),
+            block_tokens=1024,
+            kv_bits=bits,
+            gather_rows=gather_rows,
+            gather_programs=gather_programs,
+        )
         pool.reserve(context)
         for fraction in fractions:
             k = max(1, round(fraction * context))
