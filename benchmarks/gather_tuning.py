@@ -19,6 +19,7 @@ from infinigen.bench.micro import micro_gather
 from infinigen.bench.runs import pinned_bandwidth
 
 CONTEXTS, FRACTIONS = [16384, 131072], [0.1, 0.2]
+KV_HEADS, HEAD_DIM = 8, 128  # Llama-3-8B
 
 
 def main() -> None:
@@ -31,11 +32,12 @@ def main() -> None:
     print("gather_rows programs kv_bits context fraction      ms    GB/s  rows/us")
     for programs in programs_list:
         for rows in rows_list:
-            cases = micro_gather("cuda", torch.bfloat16, 8, 128, CONTEXTS, FRACTIONS, bulk, [16, 8], rows, programs)
+            shape = (KV_HEADS, HEAD_DIM, CONTEXTS, FRACTIONS)
+            cases = micro_gather("cuda", torch.bfloat16, *shape, bulk, [16, 8], rows, programs)
             for row in cases:
                 row |= {"gather_rows": rows, "gather_programs": programs}
                 results.append(row)
-                per_us = round(row["fraction"] * row["context"] * 8 / (row["ms"] * 1e3), 1)
+                per_us = round(row["fraction"] * row["context"] * KV_HEADS / (row["ms"] * 1e3), 1)
                 print(
                     f"{rows:11d} {str(programs):>8} {row['kv_bits']:7d} {row['context']:7d} {row['fraction']:8.2f}"
                     f" {row['ms']:7.3f} {row['gb_s']:7.1f} {per_us:8.1f}"

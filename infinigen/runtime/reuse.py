@@ -14,13 +14,13 @@ first prefill (``reuse_room``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from infinigen.runtime.buffers import grown_to
+from infinigen.runtime.policies.base import rows_bound
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch path.
     import triton
@@ -51,7 +51,7 @@ def resident_bytes(
     position per slot. One layer's buffers more for the copy while one grows."""
     per_layer = []
     for budget in budgets:
-        positions = min(capacity, max(min_tokens, math.ceil(budget * capacity))) + PAGE_SLACK
+        positions = rows_bound(budget, capacity, min_tokens) + PAGE_SLACK
         row = 2 * (positions + 1) * head_dim * itemsize + 8 * positions + 4 * capacity
         per_layer.append(batch * kv_heads * row)
     return sum(per_layer) + max(per_layer, default=0)

@@ -14,6 +14,7 @@ compute device after the transfer. A policy reads its layer through ``LayerView`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -26,6 +27,12 @@ if TYPE_CHECKING:
 
     from infinigen.architectures import ModelSpec
     from infinigen.runtime.speculation import LayerSpeculator
+
+
+def rows_bound(budget: float, n: int, min_tokens: int) -> int:
+    """The most slots of ``n`` a budgeted selection keeps in any row: the budget's share, at least
+    ``min_tokens``, at most ``n`` (a static bound: the shapes of a captured selection)."""
+    return min(n, max(min_tokens, math.ceil(budget * n)))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import math
 import torch
 
 from infinigen.runtime.buffers import store_slots
-from infinigen.runtime.policies.base import LayerView, Policy, Selection
+from infinigen.runtime.policies.base import LayerView, Policy, Selection, rows_bound
 from infinigen.runtime.top_slots import first_ranks
 
 
@@ -43,7 +43,7 @@ class H2OPolicy(Policy):
         if self.keep is None:  # the prompt is cached: fix the budget (at the first, uncaptured, decode step)
             cached = valid.sum(dim=-1).amax(dim=1)  # (B,)
             self.keep = (cached * cfg.budget).ceil().clamp(min=cfg.min_tokens).minimum(cached).to(torch.int32)
-        k_max = min(n, max(cfg.min_tokens, math.ceil(cfg.budget * n)))  # >= keep: a static bound
+        k_max = rows_bound(cfg.budget, n, cfg.min_tokens)  # >= keep
         used = layer.device_used()  # (1,)
         recent = layer.all_slots(n) >= (used - self.keep // 2)[:, None, None]  # and unused: invalid
         candidates = self.alive[:, :, :n] & valid

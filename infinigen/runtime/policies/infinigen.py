@@ -8,7 +8,7 @@ import math
 import torch
 
 from infinigen.runtime.buffers import grown_to, store_slots
-from infinigen.runtime.policies.base import LayerView, Policy, Selection
+from infinigen.runtime.policies.base import LayerView, Policy, Selection, rows_bound
 from infinigen.runtime.scoring import (
     fused_available,
     fused_group_scores,
@@ -48,7 +48,7 @@ class InfinigenPolicy(Policy):
 
     def select(self, layer: LayerView, attention_input, rope) -> Selection:
         n, cfg = layer.capacity, self.config  # every slot the buffers have; unused ones are invalid
-        k_max = min(n, max(cfg.min_tokens, math.ceil(cfg.budget * n)))  # static bound for every row
+        k_max = rows_bound(cfg.budget, n, cfg.min_tokens)
         partial_query = layer.speculator.partial_query(attention_input, rope)  # (B, heads, r)
         # the count needs the other tensor-parallel ranks' heads only with a finite alpha (``CountRule``)
         ranks = layer.speculator.shard.group if math.isfinite(cfg.alpha) else None
