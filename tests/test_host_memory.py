@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import tiny_setup
 
-from infinigen.runtime import cache_argument, cache_for
-from infinigen.runtime.host_memory import HostBlocks, as_bytes
+from infinigen.runtime import cache_argument, cache_for, host_memory
+from infinigen.runtime.host_memory import HostBlocks, as_bytes, retire
 
 
 def flush_retired(device: str) -> None:
@@ -19,7 +19,6 @@ def flush_retired(device: str) -> None:
     gc.collect()
     host = HostBlocks(torch.device(device))
     host.plan([])
-    host.settle()
 
 
 def test_planned_blocks_come_in_order_and_spares_are_reused_or_freed(device):
@@ -44,6 +43,38 @@ def test_planned_blocks_come_in_order_and_spares_are_reused_or_freed(device):
     assert not any(host.spare.values())
     host.settle()  # as a cache does after each prefill: no worker is left pinning
     assert host.pending == 0 and [block.numel() for block in host.spare[8]] == [8]
+    retire([first, second, small], torch.device(device))  # as a pool's finaliser does
+
+
+@pytest.mark.cuda
+def test_a_failed_registration_falls_back_to_pinned_memory_and_leaves_no_cuda_error(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cudart = torch.cuda.cudart()
+
+    class Refusing:  # registers nothing: the null pointer fails, leaving CUDA's last error set
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            return cudart.cudaHostRegister(0, nbytes, flags)
+
+    monkeypatch.setattr(host_memory.torch.cuda, "cudart", lambda: Refusing())
+    block = host_memory._new_block(4096, torch.device("cuda", torch.cuda.current_device()))
+    assert block.is_pinned() and block.data_ptr() not in host_memory._registered
+    out = torch.ones(4, device="cuda") * 2  # a launch check would raise a CUDA error left behind
+    torch.cuda.synchronize()
+    assert out.sum().item() == 8
+
+
+def test_a_dropped_host_blocks_retires_its_unused_blocks(device):
+    flush_retired(device)
+    host = HostBlocks(torch.device(device))
+    host.plan([64, 32])
+    taken, untaken = host.take(64), host.planned[32][0].result().data_ptr()
+    del host  # a prefill that raised: the 32 was planned, never taken
+    gc.collect()
+    host = HostBlocks(torch.device(device))
+    host.plan([32])
+    assert host.take(32).data_ptr() == untaken
+    retire([taken], torch.device(device))
 
 
 def prefill(model, cache, batch: int, tokens: int, device: str) -> None:

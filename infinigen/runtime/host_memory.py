@@ -17,6 +17,7 @@ On the CPU a block is a plain tensor, made through the same path.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 import weakref
@@ -33,7 +34,10 @@ _lock = threading.Lock()
 # blocks of dropped pools, (device, block) in the order dropped: put here by finalisers, which may run
 # anywhere (inside a captured step too), and taken by the next ``HostBlocks.plan``
 _retired: list[tuple[torch.device, torch.Tensor]] = []
-_registered: set[int] = set()  # data_ptr of every block this process registered and has not unregistered
+# every block this process registered and has not unregistered, by data_ptr: held here so that its
+# mapping outlives every other reference (unmapping registered pages would leave CUDA a registration
+# that the next mapping at that address collides with) until ``_free`` unregisters it
+_registered: dict[int, torch.Tensor] = {}
 
 
 def _workers() -> ThreadPoolExecutor:
@@ -50,8 +54,12 @@ def retire(blocks: list[torch.Tensor], device: torch.device) -> None:
         _retired.extend((device, as_bytes(block)) for block in blocks)
 
 
-def _retire_spare(spare: dict[int, list[torch.Tensor]], device: torch.device) -> None:
+def _retire_unused(spare: dict[int, list[torch.Tensor]], planned: dict[int, deque[Future]], device) -> None:
+    """A dropped ``HostBlocks``' spare blocks and its planned ones never taken (a prefill that raised)."""
     retire([block for blocks in spare.values() for block in blocks], device)
+    for futures in planned.values():
+        for future in futures:
+            future.add_done_callback(lambda done: done.exception() or retire([done.result()], device))
 
 
 def _new_block(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -64,18 +72,28 @@ def _new_block(nbytes: int, device: torch.device) -> torch.Tensor:
     block = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).zero_()
     torch.cuda.set_device(device)  # register in this device's context, not device 0's
     if int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, _REGISTER_MAPPED_PORTABLE)) != 0:
+        _clear_cuda_error()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # PyTorch's pinned allocator instead
     with _lock:
-        _registered.add(block.data_ptr())
+        _registered[block.data_ptr()] = block
     return block
+
+
+def _clear_cuda_error() -> None:
+    """Reset this thread's last CUDA runtime error, which a failed cudaHostRegister leaves set and
+    PyTorch's next kernel-launch check would raise. PyTorch binds no cudaGetLastError: it is called
+    in the runtime library this process has loaded."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libcudart.so" in line}
+    for path in paths:
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 def _free(block: torch.Tensor) -> None:
     """Unregister a block here, on the thread that plans (at a prefill, never inside a captured
     step), and unmap it on a worker (0.8 s for 8 GiB, against 0.15 s to unregister it)."""
     with _lock:
-        registered = block.data_ptr() in _registered
-        _registered.discard(block.data_ptr())
+        registered = _registered.pop(block.data_ptr(), None) is not None
     if registered:
         torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
     _workers().submit(lambda block: None, block)  # the worker drops the last reference: the unmap
@@ -95,7 +113,7 @@ class HostBlocks:
         self.device = device
         self.planned: dict[int, deque[Future]] = defaultdict(deque)  # by size, in the order planned
         self.spare: dict[int, list[torch.Tensor]] = defaultdict(list)  # blocks kept for reuse
-        weakref.finalize(self, _retire_spare, self.spare, device)  # what is spare when the cache goes
+        weakref.finalize(self, _retire_unused, self.spare, self.planned, device)  # when the cache goes
 
     def plan(self, sizes: list[int]) -> None:
         """Start making blocks of these sizes (in the order they will be taken) on the workers,
