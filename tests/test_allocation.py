@@ -14,7 +14,7 @@ from helpers import tiny_setup
 from infinigen.artifacts import Artifact, load_artifact, render_card, save_artifact
 from infinigen.artifacts.format import MANIFEST
 from infinigen.prepare.attention_stats import FRACTIONS, missed_mass
-from infinigen.runtime import cache_for
+from infinigen.runtime import cache_argument, cache_for
 from infinigen.runtime.allocation import FLOOR, layer_budgets, offloaded_budgets
 
 GRID = torch.tensor(FRACTIONS)
@@ -88,8 +88,8 @@ def test_version_one_artifacts_load_and_run_uniform(tokenizer, tmp_path):
     assert loaded.missed_mass(2) is None
     assert offloaded_budgets(0.3, "adaptive", loaded, range(1, 3)) == ([0.3, 0.3], "uniform")
     with cache_for(model, loaded, budget=0.3) as cache:
-        model(torch.randint(3, 512, (1, 24)), past_key_values=cache)
-        model(torch.randint(3, 512, (1, 1)), past_key_values=cache)
+        model(torch.randint(3, 512, (1, 24)), **{cache_argument(model): cache})
+        model(torch.randint(3, 512, (1, 1)), **{cache_argument(model): cache})
         assert cache.summary()["allocation"] == "uniform"
 
 
