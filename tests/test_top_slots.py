@@ -109,3 +109,48 @@ def test_radix_select_in_interpreter():
 def test_radix_select_on_cuda():
     check(top_slots, "cuda")
     check(with_tile_maxima(top_slots), "cuda")
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_mass_split_keeps_the_rows_total_and_takes_the_most_mass_of_all_its_heads(index, device):
+    """The split keeps top_slots' total per batch row (its count times the heads, no empty slot), at
+    most k_max from a head, forced slots first, and takes the largest masses over all the row's heads:
+    no slot left in a head below its cap outweighs one taken anywhere in the row."""
+    batch, heads, n, cached, rule = CASES[index]
+    scores = case_scores(index, batch, heads, n, cached)
+    forced, live = scores >= FORCED, scores > -math.inf
+    mass = scores.masked_fill(forced, -math.inf).softmax(-1).nan_to_num(0.0)
+    mass = mass.masked_fill(~live, -math.inf).masked_fill(forced, FORCED)
+    k_max = min(n, max(rule.min_tokens, math.ceil(1.5 * rule.budget * n)))
+    out, count = module.mass_split_slots(mass.to(device), rule, k_max)
+    out, count = out.cpu(), count.cpu()
+    assert out.shape == (batch, heads, k_max) and count.shape == (batch, heads) and count.dtype == torch.int32
+    for b in range(batch):
+        assert int(count[b].sum()) == min(int(rule.counts(scores)[b]) * heads, int(live[b].sum()))
+        taken, left = [], []
+        for h in range(heads):
+            c = int(count[b, h])
+            kept = out[b, h, :c]
+            assert c <= k_max and bool((kept[1:] > kept[:-1]).all()) and bool(live[b, h, kept].all())
+            assert bool((out[b, h, c:] == n - 1).all())
+            assert int(forced[b, h, kept].sum()) == min(c, int(forced[b, h].sum()))  # forced first
+            rest = torch.ones(n, dtype=torch.bool)
+            rest[kept] = False
+            taken.append(mass[b, h, kept][~forced[b, h, kept]])
+            if c < k_max:
+                left.append(mass[b, h, rest & live[b, h]])
+        taken, left = torch.cat(taken), torch.cat(left) if left else torch.empty(0)
+        if len(taken) and len(left):
+            assert float(left.max()) <= float(taken.min())
+
+
+def test_mass_split_gives_the_spread_head_more_rows():
+    """One head attends to 4 tokens, the other evenly to all: the spread head takes more rows (up to
+    its cap), the concentrated one keeps its 4 tokens, the total stays the even split's."""
+    n = 200
+    mass = torch.full((1, 2, n), 1 / n)
+    mass[0, 0] = 1e-6
+    mass[0, 0, :4] = 0.25
+    out, count = module.mass_split_slots(mass, CountRule(0.1, math.inf, 8), k_max=30)
+    assert count.tolist() == [[10, 30]]
+    assert out[0, 0, :4].tolist() == [0, 1, 2, 3]
