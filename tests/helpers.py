@@ -32,15 +32,7 @@ def tiny_setup(tokenizer, arch: str, device: str):
     return model, artifact
 
 
-# lossless at budget 1 (h2o keeps a prompt-sized cache)
-EXACT_POLICIES = ["full", "infinigen", "infinigen-mass", "quest", "oracle"]
-# a policy's settings beyond the registry's names: each runs through the same test matrix
-VARIANTS = {"infinigen-mass": dict(policy="infinigen", head_split="mass")}
-
-
-def policy_settings(name: str) -> dict:
-    """``cache_for`` keywords of a policy name or a variant's (``VARIANTS``)."""
-    return VARIANTS.get(name, dict(policy=name))
+EXACT_POLICIES = ["full", "infinigen", "quest", "oracle"]  # lossless at budget 1 (h2o keeps a prompt-sized cache)
 
 
 def teacher_forced_logits(model, ids: torch.Tensor, prefix: int, cache) -> torch.Tensor:

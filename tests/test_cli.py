@@ -129,8 +129,6 @@ def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
     [
         (["--budget", "0"], "budget must be in (0, 1]"),
         (["--alpha", "-1"], "alpha must be non-negative"),
-        (["--head-split", "mass", "--alpha", "2"], "alpha must be inf"),
-        (["--head-split", "most"], "head_split must be one of"),
         (["--max-new-tokens", "600"], "exceeds the model's context of 512 tokens"),
         (["--cpu-pool-gb", "1e-9"], "fewer than the"),
         (["--policy", "infinigen", "--no-artifact"], "needs an artifact"),

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from helpers import EXACT, EXACT_POLICIES, VARIANTS, greedy, padded_batch, policy_settings, tiny_setup
+from helpers import EXACT, EXACT_POLICIES, greedy, padded_batch, tiny_setup
 from transformers import DynamicCache, TextStreamer
 
 import infinigen
@@ -42,17 +42,17 @@ def test_decode_at_full_budget_is_exact(tokenizer, arch, policy, block_tokens, d
     model, artifact = tiny_setup(tokenizer, arch, device)
     inputs = prompts_batch(device)
     expected = greedy(model, inputs, DynamicCache(), new_tokens=20)
-    cache = cache_for(model, artifact, **policy_settings(policy), block_tokens=block_tokens, **EXACT)
+    cache = cache_for(model, artifact, policy=policy, block_tokens=block_tokens, **EXACT)
     assert torch.equal(decoded(model, inputs, cache, new_tokens=20, do_sample=False), expected)
 
 
-@pytest.mark.parametrize("policy", [*sorted(POLICIES), *VARIANTS])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_decode_equals_generate_for_every_policy(tokenizer, policy, device):
     """Lossy settings too: the loop (and on CUDA its graphs) changes nothing but the launches,
     so tokens and the fetch statistics are those of transformers' loop."""
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = prompts_batch(device, seed=3)
-    settings = policy_settings(policy) | dict(budget=0.3, block_tokens=16, min_tokens=2)
+    settings = dict(policy=policy, budget=0.3, block_tokens=16, min_tokens=2)
     plain_cache, decode_cache = (cache_for(model, artifact, **settings) for _ in range(2))
     expected = greedy(model, inputs, plain_cache, new_tokens=24)
     assert torch.equal(decoded(model, inputs, decode_cache, new_tokens=24, do_sample=False), expected)
@@ -63,13 +63,13 @@ def test_decode_equals_generate_for_every_policy(tokenizer, policy, device):
         assert loop["bytes_device_to_host"] == plain["bytes_device_to_host"]
 
 
-@pytest.mark.parametrize("policy", ["infinigen", "infinigen-mass", "h2o"])
+@pytest.mark.parametrize("policy", ["infinigen", "h2o"])
 def test_decode_with_row_reuse_matches_generate(tokenizer, policy, device):
     """Row reuse through the decoding loop (on CUDA: captured steps, across buffer growth every 16
     tokens): the tokens of transformers' loop without reuse, the same rows attended, fewer moved."""
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = prompts_batch(device, seed=5)
-    settings = policy_settings(policy) | dict(budget=0.3, block_tokens=16, min_tokens=2)
+    settings = dict(policy=policy, budget=0.3, block_tokens=16, min_tokens=2)
     plain_cache, reuse_cache = (
         cache_for(model, artifact, **settings, reuse_rows="off"),  # on CUDA "auto" would reuse too
         cache_for(model, artifact, **settings, reuse_rows="on"),

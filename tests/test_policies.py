@@ -10,7 +10,7 @@ from typing import get_args
 import pytest
 import torch
 from conftest import DEVICES, run_in_interpreter
-from helpers import VARIANTS, greedy, padded_batch, policy_settings, teacher_forced_argmax, tiny_setup
+from helpers import greedy, padded_batch, teacher_forced_argmax, tiny_setup
 
 from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
 from infinigen.runtime.buffers import store_slots
@@ -256,26 +256,6 @@ def test_fused_scores_on_cuda_match_the_pytorch_path(bits):
     assert torch.equal(tile_max, tile_maxima(fused))
 
 
-@pytest.mark.parametrize("bits", [16, 4])
-def test_group_mass_is_the_query_groups_attention_summed(bits):
-    """Per query head softmax(scaling * q.k) over the valid tokens, summed over its group; 4-bit codes
-    with their scales score as the keys they decode to."""
-    generator = torch.Generator().manual_seed(4)
-    queries, keys = torch.randn(2, 6, 8, generator=generator), torch.randn(2, 2, 30, 8, generator=generator)
-    valid = torch.ones(2, 2, 30, dtype=torch.bool)
-    valid[1, :, :7] = False  # left padding
-    codes, scale = scoring.quantize_rows(keys, 4) if bits == 4 else (keys, None)
-    decoded = keys if bits == 16 else scoring.code_values(codes).float() * scale[..., None]
-    mass = scoring.group_mass(queries, codes, valid, 0.5, scale)
-    for b in range(2):
-        for h in range(2):
-            live = valid[b, h]
-            logits = queries[b, 3 * h : 3 * h + 3] @ decoded[b, h, live].T * 0.5  # (group, live tokens)
-            torch.testing.assert_close(mass[b, h, live], logits.softmax(-1).sum(0))
-            assert bool((mass[b, h, ~live] == -math.inf).all())
-    assert torch.allclose(mass.clamp(min=0).sum(-1), torch.full((2, 2), 3.0))  # each of 3 query heads sums to 1
-
-
 def test_quest_page_bounds_bound_every_token_of_their_page():
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, group, d, n = 2, 2, 3, 8, 75
@@ -330,7 +310,7 @@ def tiny_setups(tokenizer):
     return get
 
 
-@pytest.mark.parametrize("policy", [*sorted(POLICIES), *VARIANTS])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_every_policy_decodes_within_its_budget(tiny_setups, arch, policy, device):
     """The shared matrix: each policy through generate() on a padded batch, its fetches within budget,
@@ -339,8 +319,7 @@ def test_every_policy_decodes_within_its_budget(tiny_setups, arch, policy, devic
     model, artifact = tiny_setups(arch, device)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 64)]
-    cache = cache_for(model, artifact, **policy_settings(policy), budget=0.25)
-    policy = cache.config.policy
+    cache = cache_for(model, artifact, policy=policy, budget=0.25)
     out = greedy(model, padded_batch(prompts, pad=1, device=model.device), cache, new_tokens=6)
     assert out.shape == (2, 6)
     stats = cache.summary()
@@ -396,9 +375,7 @@ def test_quantized_kv_tracks_dense_and_moves_fewer_bytes(tokenizer, policy, agre
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(
-    ("policy", "alpha"), [(policy, None) for policy in [*sorted(POLICIES), *VARIANTS]] + [("infinigen", 2.0)]
-)
+@pytest.mark.parametrize(("policy", "alpha"), [(policy, None) for policy in sorted(POLICIES)] + [("infinigen", 2.0)])
 def test_captured_selection_decodes_as_launched_kernels(tiny_llama, policy, alpha):
     """CUDA graphs replay the same selection, also across capacity changes (small pool blocks make
     the captures repeat while decoding), and with a finite alpha, whose count a score's last bit can
@@ -407,7 +384,7 @@ def test_captured_selection_decodes_as_launched_kernels(tiny_llama, policy, alph
     if model.device.type != "cuda":
         pytest.skip("CUDA graphs need CUDA")
     inputs = {"input_ids": torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(5)).cuda()}
-    settings = policy_settings(policy) | dict(budget=0.3, block_tokens=16) | ({} if alpha is None else {"alpha": alpha})
+    settings = dict(policy=policy, budget=0.3, block_tokens=16) | ({} if alpha is None else {"alpha": alpha})
     captured = cache_for(model, artifact, **settings)
     tokens = greedy(model, inputs, captured, new_tokens=30)
     assert all(layer.selection_graph.capacity == layer.capacity for layer in captured.offloaded)

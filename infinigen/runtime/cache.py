@@ -86,10 +86,6 @@ class InfinigenCache(Cache):
         # under tensor parallelism, the heads this rank computes (every head in one process); refuses
         # KV heads that do not divide by the ranks before a forward fails on them
         self.shard = head_shard(blocks[0].self_attn, self.spec.head_dim)
-        if self.shard.group is not None and config.head_split == "mass" and self.policy.speculates:
-            raise InfinigenError(
-                "head_split 'mass' splits over one process's KV heads: use 'even' with tensor parallel"
-            )
         # each offloaded layer runs with its own share of the budget (``allocation``), from the whole
         # artifact (every head's statistics) on every tensor-parallel rank: the shares one process gives
         self.layer_budgets, self.allocation = offloaded_budgets(
@@ -324,7 +320,7 @@ class InfinigenCache(Cache):
         selected = valid[:, :, :k]
         selected.copy_(layer.valid.gather(-1, indices))
         if count is not None:
-            selected &= self.all_slots(k) < count.view(count.shape[0], -1, 1)  # count (B,) or (B, kv_heads)
+            selected &= self.all_slots(k) < count[:, None, None]
         if selection.valid is not None:
             selected &= selection.valid
         return valid
@@ -348,7 +344,7 @@ class InfinigenCache(Cache):
         batch, kv_heads, k = indices.shape
         parity = layer.index % 2
         rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, layer.head_dim), layer.dtype)
-        self._count(layer, rows_per_head(count, k), step=step)
+        self._count(layer, count if count is not None else k, step=step)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         packed = None
@@ -364,7 +360,7 @@ class InfinigenCache(Cache):
         k = indices.shape[-1]
         resident = layer.resident_rows(k)
         placement = resident.place(indices, valid[:, :, :k])
-        self._count(layer, rows_per_head(placement.count, k), rows_per_head(count, k), step)
+        self._count(layer, placement.count.double().mean(dim=1), count if count is not None else k, step)
         slots = resident.slots.clamp(min=0)
         # the move starts after everything the compute stream reads from this stream (its ready event)
         ready = self._move(layer, placement.missing, placement.count, resident.rows, placement.destination)
@@ -480,11 +476,3 @@ class InfinigenCache(Cache):
             "reuse_rows": None if self.reuse is None else str(self.reuse),  # e.g. "on (auto: 0.40 GB fits in ...)"
         }
         return head | summary | {"replayed_steps": self.replayed_steps}
-
-
-def rows_per_head(count: torch.Tensor | None, k: int) -> torch.Tensor | int:
-    """A fetch's rows per head for its statistics: (B,) per batch row (the mean over its heads where
-    each head has its own count), or ``k`` for all when there is no count."""
-    if count is None:
-        return k
-    return count.double().mean(dim=1) if count.dim() == 2 else count

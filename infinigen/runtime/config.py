@@ -22,7 +22,6 @@ PartialKeyBits = Literal[4, 8, 16]
 KVBits = Literal[16, 8]
 ReuseRows = Literal["auto", "on", "off"]
 Allocation = Literal["adaptive", "uniform"]
-HeadSplit = Literal["even", "mass"]
 
 
 def option(default: Any, help: str, *, applies_to: tuple[str, ...] = (), cli: bool = True) -> Any:
@@ -61,14 +60,6 @@ class RuntimeConfig:
         "How the budget is split over the offloaded layers: adaptive (more where the artifact's attention "
         "statistics show attention spread over more tokens; the same total) | uniform (the budget each).",
         applies_to=("budgeted",),
-    )
-    head_split: HeadSplit = option(
-        "even",
-        "How infinigen splits a layer's rows over its KV heads at each step: even (each head its best "
-        "tokens by speculated logit, the same number each) | mass (tokens ranked by the speculated "
-        "attention they get, summed over the query group, and the layer's rows spread over the heads by "
-        "it, at most 1.5x the even share; the same total; needs alpha inf).",
-        applies_to=("speculates",),
     )
     sink_tokens: int = option(
         0,
@@ -162,21 +153,11 @@ class RuntimeConfig:
             raise InfinigenError(f"alpha must be non-negative (inf: the budget alone), got {self.alpha}")
         if self.dense_layers < 0 or self.attention_lookahead_layers < 0:
             raise InfinigenError("dense_layers and attention_lookahead_layers must be >= 0")
-        if self.head_split == "mass" and math.isfinite(self.alpha):
-            raise InfinigenError("head_split 'mass' ranks by attention mass, not logits: alpha must be inf")
         if self.sink_tokens < 0 or self.recent_tokens < 0:
             raise InfinigenError("sink_tokens and recent_tokens must be >= 0")
         if self.min_tokens < 1 or self.block_tokens < 1:
             raise InfinigenError("min_tokens and block_tokens must be >= 1")
-        for name in (
-            "allocation",
-            "head_split",
-            "eviction",
-            "lookahead_from",
-            "partial_key_bits",
-            "kv_bits",
-            "reuse_rows",
-        ):
+        for name in ("allocation", "eviction", "lookahead_from", "partial_key_bits", "kv_bits", "reuse_rows"):
             choices = get_args(_FIELD_TYPES[name])
             if getattr(self, name) not in choices:
                 shown = ", ".join(map(str, choices))
@@ -195,7 +176,6 @@ class RuntimeConfig:
 
 _FIELD_TYPES = {
     "allocation": Allocation,
-    "head_split": HeadSplit,
     "eviction": Eviction,
     "lookahead_from": LookaheadFrom,
     "partial_key_bits": PartialKeyBits,

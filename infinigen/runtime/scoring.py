@@ -216,28 +216,6 @@ def fused_group_scores(
     return out, tile_max
 
 
-def group_mass(
-    queries: torch.Tensor,  # (B, heads, c)
-    keys: torch.Tensor,  # (B, kv_heads, n, c), or codes with ``key_scale``
-    valid: torch.Tensor,  # (B, kv_heads, n) bool
-    scaling: float,  # the attention's logit factor
-    key_scale: torch.Tensor | None = None,  # (B, kv_heads, n)
-) -> torch.Tensor:
-    """-> (B, kv_heads, n) float32: the attention each KV head's query group gives each token by these
-    (partial) logits, softmax(scaling * q.k) over the valid tokens per query head, summed over the
-    group; -inf where ``valid`` is False. A fetched row serves the whole group: this sum is the mass
-    it brings."""
-    if key_scale is not None:
-        keys = code_values(keys)
-    batch, kv_heads = keys.shape[:2]
-    grouped = queries.view(batch, kv_heads, -1, queries.shape[-1])
-    logits = torch.einsum("bkgc,bktc->bkgt", grouped, keys.to(queries.dtype)).float()  # (B, kv_heads, group, n)
-    if key_scale is not None:
-        logits = logits * key_scale[:, :, None, :].float()
-    logits = (logits * scaling).masked_fill(~valid[:, :, None, :], -math.inf)
-    return logits.softmax(dim=-1).nan_to_num(0.0).sum(dim=2).masked_fill(~valid, -math.inf)
-
-
 def group_scores(
     queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, key_scale: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -75,11 +75,10 @@ class CountRule:
 
 
 def first_ranks(ranked: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
-    """The first count[b] (count (B,)) or count[b, h] (count (B, kv_heads)) slots of each ranked row
-    (B, kv_heads, K), ascending; the rest sort last (clamped to a real slot: never fetched, since the
-    gather stops at the count)."""
+    """The first count[b] slots of each ranked row (B, kv_heads, K), ascending; the rest sort last
+    (clamped to a real slot: never fetched, since the gather stops at the count)."""
     rank = torch.arange(ranked.shape[-1], device=ranked.device)
-    kept = torch.where(rank < count.view(count.shape[0], -1, 1), ranked, n)
+    kept = torch.where(rank < count[:, None, None], ranked, n)
     return kept.sort(dim=-1).values.clamp(max=n - 1)
 
 
@@ -101,26 +100,6 @@ def top_slots(
     count = rule.counts(scores)
     ranked = truncated(scores).sort(dim=-1, descending=True, stable=True).indices[..., :k_max]
     return first_ranks(ranked, count, scores.shape[-1]), count
-
-
-def mass_split_slots(mass: torch.Tensor, rule: CountRule, k_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """mass (B, heads, n) float32: the attention each head's query group would give each slot
-    (``scoring.group_mass``; -inf for empty slots, ``FORCED`` for slots always fetched) -> ``top_slots``'
-    total per batch row (its count times the heads), split over the row's heads: the most mass over
-    all of them, at most ``k_max`` slots from one head. (slots (B, heads, k_max) int64, each head's
-    first count[b, h] ascending; count (B, heads) int32.) Taking the largest masses first minimises
-    the mass the row's heads miss together: an even split gives a head that attends to a few tokens
-    as many rows as one whose attention is spread over many."""
-    batch, heads, _ = mass.shape
-    ranked = mass.sort(dim=-1, descending=True, stable=True)
-    best, order = ranked.values[..., :k_max], ranked.indices[..., :k_max]  # (B, heads, k_max)
-    # the row's largest over all its heads: within a head, a prefix of its ranking (stable on ties)
-    overall = best.flatten(1).sort(dim=-1, descending=True, stable=True).indices  # (B, heads * k_max)
-    total = rule.counts(mass).long() * heads  # (B,)
-    taken = torch.arange(heads * k_max, device=mass.device) < total[:, None]
-    taken = torch.zeros_like(taken).scatter_(1, overall, taken).view(batch, heads, k_max) & (best > -math.inf)
-    count = taken.sum(dim=-1, dtype=torch.int32)
-    return first_ranks(order, count, mass.shape[-1]), count
 
 
 if triton is not None:

@@ -40,9 +40,8 @@ class Selection:
     """Which cached slots one offloaded layer fetches for the next decode step.
 
     indices: (B, kv_heads, K) slots, ascending within each row; None means every slot (bulk fetch).
-    count: (B,) or (B, kv_heads) int32 on the compute device: per batch row (or head), only the first
-        ``count`` rows of each head are fetched (a data-dependent number that never goes to the host);
-        None means all K.
+    count: (B,) int32 on the compute device: per batch row, only the first ``count`` rows of each head
+        are fetched (a data-dependent number that never goes to the host); None means all K.
     valid: (B, kv_heads, K) bool: selected slots to leave out of attention (e.g. past the last token
         of a page); None means all are attended.
     """

@@ -12,16 +12,11 @@ from infinigen.runtime.policies.base import LayerView, Policy, Selection, rows_b
 from infinigen.runtime.scoring import (
     fused_available,
     fused_group_scores,
-    group_mass,
     group_scores,
     quantize_rows,
     store_token_codes,
 )
-from infinigen.runtime.top_slots import FORCED, CountRule, mass_split_slots, top_slots
-
-# With ``head_split="mass"`` a head takes at most this multiple of the even share: the bound of the
-# step's buffers (offline, SmolLM2 at 10%: caps of 1.5, 2 and 4 missed the same attention mass)
-HEAD_SHARE_CAP = 1.5
+from infinigen.runtime.top_slots import FORCED, CountRule, top_slots
 
 
 class InfinigenPolicy(Policy):
@@ -53,8 +48,7 @@ class InfinigenPolicy(Policy):
 
     def select(self, layer: LayerView, attention_input, rope) -> Selection:
         n, cfg = layer.capacity, self.config  # every slot the buffers have; unused ones are invalid
-        mass = cfg.head_split == "mass"
-        k_max = rows_bound(min(1.0, cfg.budget * HEAD_SHARE_CAP) if mass else cfg.budget, n, cfg.min_tokens)
+        k_max = rows_bound(cfg.budget, n, cfg.min_tokens)
         partial_query = layer.speculator.partial_query(attention_input, rope)  # (B, heads, r)
         # the count needs the other tensor-parallel ranks' heads only with a finite alpha (``CountRule``)
         ranks = layer.speculator.shard.group if math.isfinite(cfg.alpha) else None
@@ -66,7 +60,6 @@ class InfinigenPolicy(Policy):
             CountRule(cfg.budget, cfg.alpha, cfg.min_tokens, ranks),
             key_scale=None if self.partial_key_scale is None else self.partial_key_scale[:, :, :n],
             always=always_fetched(layer, n, cfg.sink_tokens, cfg.recent_tokens, cfg.budget),
-            mass_scaling=attention_scaling(layer.attention, layer.spec.head_dim) if mass else None,
         )
         return Selection(indices=indices, count=count)
 
@@ -93,18 +86,10 @@ def select_tokens(
     rule: CountRule,
     key_scale: torch.Tensor | None = None,  # (B, kv_heads, n) for quantized partial keys
     always: torch.Tensor | None = None,  # (B, kv_heads, n) bool: slots fetched whatever they score
-    mass_scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculated scores -> (slots (B, kv_heads, k_max) ascending, count (B,) int32): per batch row
     the tokens within alpha of each head's best, averaged over its KV heads, capped by the budget
-    share of the row's own cached tokens (``CountRule``); ``always`` slots rank first. With
-    ``mass_scaling`` (the attention's logit factor) tokens rank by their speculated attention mass
-    instead and the same total is split over the heads by it (``mass_split_slots``): count (B, kv_heads)."""
-    if mass_scaling is not None:
-        mass = group_mass(partial_query, partial_keys, valid, mass_scaling, key_scale)
-        if always is not None:
-            mass = mass.masked_fill(always, FORCED)
-        return mass_split_slots(mass, rule, k_max)
+    share of the row's own cached tokens (``CountRule``); ``always`` slots rank first."""
     if key_scale is not None and fused_available(partial_keys.device):
         scores, tile_max = fused_group_scores(partial_query, partial_keys, valid, key_scale)
     else:
@@ -112,8 +97,3 @@ def select_tokens(
     if always is not None:
         scores = scores.masked_fill(always, FORCED)  # tile_max keeps the best speculated score
     return top_slots(scores, rule, k_max, tile_max)
-
-
-def attention_scaling(attention: torch.nn.Module, head_dim: int) -> float:
-    """The factor of the attention's logits (transformers' modules keep it as ``scaling``)."""
-    return float(getattr(attention, "scaling", head_dim**-0.5))
