@@ -46,13 +46,16 @@ def test_decode_at_full_budget_is_exact(tokenizer, arch, policy, block_tokens, d
     assert torch.equal(decoded(model, inputs, cache, new_tokens=20, do_sample=False), expected)
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_decode_equals_generate_for_every_policy(tokenizer, policy, device):
+@pytest.mark.parametrize(("policy", "alpha"), [(policy, None) for policy in sorted(POLICIES)] + [("infinigen", 2.0)])
+def test_decode_equals_generate_for_every_policy(tokenizer, policy, alpha, device):
     """Lossy settings too: the loop (and on CUDA its graphs) changes nothing but the launches,
-    so tokens and the fetch statistics are those of transformers' loop."""
+    so tokens and the fetch statistics are those of transformers' loop. Also with a finite alpha,
+    whose count a score's last bit can change (under tensor parallelism in float32 the two loops
+    have departed: this tells whether one GPU does too)."""
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = prompts_batch(device, seed=3)
     settings = dict(policy=policy, budget=0.3, block_tokens=16, min_tokens=2)
+    settings |= {} if alpha is None else {"alpha": alpha}
     plain_cache, decode_cache = (cache_for(model, artifact, **settings) for _ in range(2))
     expected = greedy(model, inputs, plain_cache, new_tokens=24)
     assert torch.equal(decoded(model, inputs, decode_cache, new_tokens=24, do_sample=False), expected)
