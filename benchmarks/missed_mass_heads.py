@@ -14,14 +14,9 @@ layer's q and k captured, and at the last 256 positions (every 16th) the budget'
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
-from missed_mass_offline import rounded
-
-from infinigen.artifacts.format import load_artifact
-from infinigen.models import load_model
-from infinigen.prepare.capture import capture_qk
+from missed_mass_offline import captured_passage, rounded
 
 CAP = 1.5
 
@@ -37,14 +32,7 @@ def split_by_mass(values: torch.Tensor, keep: int) -> list[torch.Tensor]:
 
 
 def main(model_name: str, artifact_path: str, budget: float, tokens: int = 3072) -> None:
-    loaded = load_model(None if model_name == "default" else model_name, device="cpu", dtype="float32")
-    artifact = load_artifact(artifact_path)
-    text = Path("../shared/data/pg19/10321.txt").read_text(encoding="utf-8")
-    ids = loaded.tokenizer(text[30000:], return_tensors="pt").input_ids[:, :tokens]
-    with torch.no_grad(), capture_qk(loaded.model) as records:
-        loaded.model(input_ids=ids, use_cache=False)
-        captured = dict(records)
-    layers = loaded.model.model.layers
+    layers, artifact, captured = captured_passage(model_name, artifact_path, tokens)
     totals: dict[str, list[float]] = {}
     for i in range(2, len(layers)):  # the first two layers stay on the GPU
         ((q, k),) = captured[i]

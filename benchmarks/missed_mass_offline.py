@@ -71,15 +71,20 @@ def layer_missed(q, k, skew, channels, scaling: float, budget: float, positions)
     return {rule: sum(values) / len(values) for rule, values in row.items()}
 
 
-def main(model_name: str, artifact_path: str, budget: float, tokens: int = 3072) -> None:
+def captured_passage(model_name: str, artifact_path: str, tokens: int):
+    """The model's decoder layers, the artifact, and every layer's post-RoPE (q, k) over ``tokens``
+    tokens of PG-19 book 10321 (one forward, CPU, float32)."""
     loaded = load_model(None if model_name == "default" else model_name, device="cpu", dtype="float32")
-    artifact = load_artifact(artifact_path)
     text = Path("../shared/data/pg19/10321.txt").read_text(encoding="utf-8")
     ids = loaded.tokenizer(text[30000:], return_tensors="pt").input_ids[:, :tokens]
     with torch.no_grad(), capture_qk(loaded.model) as records:
         loaded.model(input_ids=ids, use_cache=False)
         captured = dict(records)
-    layers = loaded.model.model.layers
+    return loaded.model.model.layers, load_artifact(artifact_path), captured
+
+
+def main(model_name: str, artifact_path: str, budget: float, tokens: int = 3072) -> None:
+    layers, artifact, captured = captured_passage(model_name, artifact_path, tokens)
     totals = {rule: [] for rule in RULES}
     for i in range(2, len(layers)):  # the first two layers stay on the GPU
         ((q, k),) = captured[i]
