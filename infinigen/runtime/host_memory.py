@@ -120,23 +120,20 @@ class HostBlocks:
 
     def plan(self, sizes: list[int]) -> None:
         """Start making blocks of these sizes (in the order they will be taken) on the workers,
-        reusing retired blocks of the same sizes; retired blocks of other sizes are freed."""
+        reusing spare blocks of the same sizes; every other spare block is freed first."""
         self._recycle()
-        for nbytes in set(self.spare) - set(sizes):  # freed first: the host's memory
-            blocks = self.spare.pop(nbytes)
-            while blocks:
-                _free(blocks.pop())
-        for nbytes in sizes:
-            future: Future = Future()
-            if self.spare[nbytes]:
-                future.set_result(self.spare[nbytes].pop())
-            else:
-                future = _workers().submit(_new_block, nbytes, self.device)
-            self.planned[nbytes].append(future)
-        for blocks in self.spare.values():  # more than planned
+        reused = [self.spare[nbytes].pop() if self.spare[nbytes] else None for nbytes in sizes]
+        for blocks in self.spare.values():  # the rest, freed before new blocks take the host's memory
             while blocks:
                 _free(blocks.pop())
         self.spare.clear()
+        for nbytes, block in zip(sizes, reused, strict=True):
+            if block is None:
+                future = _workers().submit(_new_block, nbytes, self.device)
+            else:
+                future = Future()
+                future.set_result(block)
+            self.planned[nbytes].append(future)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A (nbytes,) uint8 block: the next planned one of this size, else a new one now."""
