@@ -22,9 +22,9 @@
 # at 128K takes most of a minute, four per run. A decode step and the memory beyond the weights grow
 # by layer; the table says how many layers ran.
 # Settings: LAYERS (16), STEPS (8 timed decode steps after 3 warm-up), SIZES (8x16384,1x131072),
-# POLICIES (full,infinigen,hf-offloaded), BUDGET (0.1), GRAPHS (step unless the equality phase saw step
-# graphs raise: then selection, else off), DEADLINE (560: seconds from the
-# start after which no command runs on; each phase's commands are cut to what is left, so a call of
+# POLICIES (full,infinigen,hf-offloaded), BUDGET (0.1), BENCH_ARGS (more bench flags, e.g.
+# "--reuse-rows auto,off"), GRAPHS (step unless the equality phase saw step graphs raise: then
+# selection, else off), DEADLINE (560: seconds from the start after which no command runs on; each phase's commands are cut to what is left, so a call of
 # at most 600 s returns what finished). Results, copied after every phase: $OUT if set, else /tmp:
 # tp_gpu_<phase>.json (each run's raw report), tp_gpu_table.txt, tp_gpu.log; working files in
 # $TP_GPU_WORK (/tmp/tp_gpu), kept between calls on a machine that stays up: `table` shows them all.
@@ -340,6 +340,8 @@ bench_run() {  # name, ranks (0: one process), shape, policies, limit
     fi
     local args=(bench --shape "$shape" --layers "$LAYERS" --sizes "$SIZES" --gen-len "$STEPS"
         --policy "$policies" --budget "$BUDGET" --graphs "$(graphs)" --json)
+    read -r -a extra <<<"${BENCH_ARGS:-}"
+    args+=("${extra[@]}")
     say "$name: ${launch[*]} ${args[*]}"
     rm -f "$WORK/results/$name.json"  # not an earlier call's
     local start=$SECONDS
@@ -443,14 +445,16 @@ def dense_kv_gb(report: dict, row: dict) -> float | None:
 
 
 def rows_of(name: str) -> dict:
-    """(policy, batch, context) -> the row, with the memory beyond the weights and the dense KV share."""
+    """(policy, batch, context) -> the row, with the memory beyond the weights and the dense KV share
+    (a row with row reuse off is its own policy)."""
     report = reports.get(name) or {"results": []}
     found = {}
     for row in report["results"]:
         peak, dense = row.get("decode_peak_gpu_gb"), dense_kv_gb(report, row)
         weights = report.get("weights_gb")
         beyond = peak - weights if peak is not None and weights is not None else None
-        found[row["policy"], row["batch"], row["prompt_len"]] = row | {"beyond_gb": beyond, "dense_kv_gb": dense}
+        policy = row["policy"] + (" (reuse off)" if row.get("reuse_rows") == "off" else "")
+        found[policy, row["batch"], row["prompt_len"]] = row | {"beyond_gb": beyond, "dense_kv_gb": dense}
     return found
 
 

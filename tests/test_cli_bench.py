@@ -88,6 +88,7 @@ def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_pat
     assert 0.5 <= infinigen["fraction_fetched"] <= 0.5 + 1 / 48
     runs = infinigen["ms_per_step_runs"]
     assert len(runs) == 3 and runs == sorted(runs) and infinigen["ms_per_step"] == runs[1]
+    assert len(infinigen["prefill_s_runs"]) == 3 and infinigen["prefill_s"] in infinigen["prefill_s_runs"]
     # the prompts: consecutive slices of the text, row after row, wrapping where it is short
     ids = torch.arange(5)
     assert prompt_ids(2, 3, 99, ids).tolist() == [[0, 1, 2], [3, 4, 0]]

@@ -49,14 +49,6 @@ for b in range(B):
     for h in range(H):
         s = int(slots[b, h])
         assert torch.equal(pool.blocks[s // bt][b, h, s % bt], new[b, h, 0]), "scatter"
-starts = torch.tensor([[5, 0, 13], [2, 17, 9]])  # runs of 6 rows, some across a block's end
-run = torch.randn(B, H, 6, 2, D)
-transfer._launch_scatter(pool, starts, run)
-for b in range(B):
-    for h in range(H):
-        for t in range(6):
-            s = int(starts[b, h]) + t
-            assert torch.equal(pool.blocks[s // bt][b, h, s % bt], run[b, h, t]), "scatter of a run"
 print("ok")
 """
 
@@ -117,10 +109,20 @@ def test_torch_gather_and_scatter_across_blocks():
     new = torch.randn(2, 2, 1, 2, 4)
     transfer.scatter_rows(pool, torch.tensor([[14, 0], [7, 13]]), new)
     assert torch.equal(pool.blocks[2][0, 0, 4], new[0, 0, 0]) and torch.equal(pool.blocks[2][1, 1, 3], new[1, 1, 0])
-    run = torch.randn(2, 2, 3, 2, 4)  # three rows from each head's slot, across a block's end
-    transfer.scatter_rows(pool, torch.tensor([[3, 8], [9, 0]]), run)
-    assert torch.equal(torch.cat([pool.blocks[0][0, 0, 3:], pool.blocks[1][0, 0, :1]]), run[0, 0])
-    assert torch.equal(pool.blocks[1][1, 0, 4:], run[1, 0, :1]) and torch.equal(pool.blocks[2][1, 0, :2], run[1, 0, 1:])
+
+
+def test_write_range_fills_whole_and_partial_blocks(device):
+    """A prompt's rows land at their slots whether a write covers whole blocks (one copy) or part of
+    one (a copy per (batch row, head) run on CUDA), and a later write goes on from a block's middle."""
+    torch.manual_seed(0)
+    pool = KVPool(2, 3, 4, torch.float32, torch.device(device), block_tokens=5)
+    rows = torch.randn(2, 3, 13, 2, 4, device=device)
+    pool.write_range(0, rows[:, :, :7])  # block 0 whole, block 1's first two slots
+    pool.write_range(7, rows[:, :, 7:])  # from block 1's middle to block 2's end
+    if device == "cuda":
+        torch.cuda.synchronize()
+    stored = torch.cat([block.to(device) for block in pool.blocks], dim=2)
+    assert torch.equal(stored[:, :, :13], rows) and not stored[:, :, 13:].any()
 
 
 def test_new_pool_slots_above_the_reserved_ones_are_zero(monkeypatch):

@@ -45,7 +45,7 @@ def micro_gather(
     fractions: list[float],
     bulk: float | None,
     kv_bits: list[int],
-    gather_rows: int = 16,
+    gather_rows: int | None = None,
     gather_programs: int | None = None,
 ) -> list[dict]:
     """The selective gather alone (one layer, batch 1, random sorted slots per head) against the

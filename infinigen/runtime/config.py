@@ -135,11 +135,15 @@ class RuntimeConfig:
         "memory). Default: half the GPU's free memory at prefill.",
         applies_to=("budgeted",),
     )
-    # Tuning of the CUDA row gather (``runtime.transfer``): measured in BENCHMARKS.md, "Things tried that did not pay".
+    # Tuning of the CUDA row gather (``runtime.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".
     gather_programs: int | None = option(
         None, "Programs of the persistent CUDA gather (default: half the GPU's SMs).", cli=False
     )
-    gather_rows: int = option(16, "Rows a CUDA gather program moves per loop step (a power of two).", cli=False)
+    gather_rows: int | None = option(
+        None,
+        "Rows a CUDA gather program moves per loop step, a power of two (default: 16 for 16-bit rows, 8 for 8-bit).",
+        cli=False,
+    )
 
     def __post_init__(self) -> None:
         reuse = self.reuse_rows  # True / False and on / off spellings (yes, 1, ...) as before: on / off
@@ -164,7 +168,7 @@ class RuntimeConfig:
                 raise InfinigenError(f"{name} must be one of {shown}, got {getattr(self, name)!r}")
         if self.gather_programs is not None and self.gather_programs < 1:
             raise InfinigenError(f"gather_programs must be >= 1 (None: half the SMs), got {self.gather_programs}")
-        if self.gather_rows < 1 or self.gather_rows & (self.gather_rows - 1):
+        if self.gather_rows is not None and (self.gather_rows < 1 or self.gather_rows & (self.gather_rows - 1)):
             raise InfinigenError(f"gather_rows must be a power of two, got {self.gather_rows}")
         if self.cpu_pool_gb is not None and not (0 < self.cpu_pool_gb < math.inf):
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")

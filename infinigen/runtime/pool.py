@@ -47,7 +47,7 @@ class KVPool:
         *,
         block_tokens: int,
         kv_bits: int = 16,
-        gather_rows: int = 16,
+        gather_rows: int | None = None,
         gather_programs: int | None = None,
         host: HostBlocks | None = None,
     ) -> None:
@@ -61,8 +61,10 @@ class KVPool:
         self.shape = (batch, kv_heads, block_tokens, 2, width)
         self.dtype, self.device = dtype, device  # as stored
         self.block_tokens = block_tokens
-        # the CUDA gather's tuning (``RuntimeConfig.gather_rows``, ``gather_programs``)
-        self.gather_rows, self.gather_programs = gather_rows, gather_programs
+        # the CUDA gather's tuning (``RuntimeConfig.gather_rows``, ``gather_programs``): 8-bit rows
+        # move fastest 8 a loop step, 16-bit ones 16 (``benchmarks/gather_tuning.py``)
+        self.gather_rows = gather_rows or (8 if kv_bits == 8 else 16)
+        self.gather_programs = gather_programs
         self.host = host or HostBlocks(device)
         self.blocks: list[torch.Tensor] = []
         weakref.finalize(self, retire, self.blocks, device)  # reused or freed once no queued work reads them
@@ -113,10 +115,15 @@ class KVPool:
             block_start = index * self.block_tokens
             lo, hi = max(start, block_start), min(end, block_start + self.block_tokens)
             part = rows[:, :, lo - start : hi - start]
-            if hi - lo == self.block_tokens or not transfer.zero_copy_available(rows.device):
-                self.blocks[index][:, :, lo - block_start : hi - block_start].copy_(part, non_blocking=True)
-            else:  # part of a block: rows strided in the pool, which copy_ would stage in pageable memory
-                transfer.scatter_rows(self, torch.full(rows.shape[:2], lo, device=rows.device), part)
+            slots = self.blocks[index][:, :, lo - block_start : hi - block_start]
+            if hi - lo == self.block_tokens or rows.device.type != "cuda":
+                slots.copy_(part, non_blocking=True)
+                continue
+            # part of a block: strided in the pool, which copy_ would stage in pageable memory. One DMA
+            # copy per (batch row, head) run instead of the GPU's own stores, which run at a tenth of
+            # the link into freshly registered pages (3.7 vs 40 GB/s on an H100: BENCHMARKS, "Prefill")
+            for run, source in zip(slots.flatten(0, 1), part.flatten(0, 1), strict=True):
+                run.copy_(source, non_blocking=True)
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""

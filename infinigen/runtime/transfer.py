@@ -27,9 +27,6 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 
-GRID_Y = 65535
-
-
 def zero_copy_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
@@ -71,22 +68,19 @@ def gather_rows(
 
 
 def scatter_rows(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """pool[b, h, slots[b, h] + t] <- rows[b, h, t] for rows (B, H, T, 2, d): a decode step's row at
-    each head's slot, or a run of T rows from one slot (a write that covers part of a block, whose
-    rows are strided in the pool: the GPU stores them itself, where a copy would stage them in
-    pageable memory)."""
+    """pool[b, h, slots[b, h]] <- rows[b, h, 0] for rows (B, H, 1, 2, d): a decode step's row at each
+    head's slot. (A prompt's runs of rows go as DMA copies: ``KVPool.write_range``.)"""
     if zero_copy_available(rows.device):
         _launch_scatter(pool, slots, rows)
         return
-    batch, heads, tokens = rows.shape[:3]
-    cpu_slots, cpu_rows = slots.cpu(), rows.cpu()
+    batch, heads = rows.shape[:2]
+    cpu_slots, cpu_rows = slots.cpu(), rows[:, :, 0].cpu()
     b = torch.arange(batch)[:, None].expand(batch, heads)
     h = torch.arange(heads)[None, :].expand(batch, heads)
-    for t in range(tokens):
-        blocks, offsets = (cpu_slots + t) // pool.block_tokens, (cpu_slots + t) % pool.block_tokens
-        for index, block in enumerate(pool.blocks):
-            chosen = blocks == index
-            block[b[chosen], h[chosen], offsets[chosen]] = cpu_rows[:, :, t][chosen]
+    blocks, offsets = cpu_slots // pool.block_tokens, cpu_slots % pool.block_tokens
+    for index, block in enumerate(pool.blocks):
+        chosen = blocks == index
+        block[b[chosen], h[chosen], offsets[chosen]] = cpu_rows[chosen]
 
 
 if triton is not None:
@@ -162,15 +156,13 @@ if triton is not None:
             tl.store(dst, values, mask=written[:, None] & in_row)
 
     @triton.jit
-    def _scatter_kernel(
-        table, slots, rows, tokens, block_tokens: tl.constexpr, row: tl.constexpr, row_pow2: tl.constexpr
-    ):
-        bh, t = tl.program_id(0), tl.program_id(1)
-        slot = tl.load(slots + bh) + t
+    def _scatter_kernel(table, slots, rows, block_tokens: tl.constexpr, row: tl.constexpr, row_pow2: tl.constexpr):
+        bh = tl.program_id(0)
+        slot = tl.load(slots + bh)
         base = tl.load(table + slot // block_tokens)
         dst = base.to(tl.pointer_type(rows.dtype.element_ty)) + _offset(bh, block_tokens, slot % block_tokens, 1) * row
         col = tl.arange(0, row_pow2)
-        src = rows + _offset(bh, tokens, t, 1) * row
+        src = rows + bh.to(tl.int64) * row
         tl.store(dst + col, tl.load(src + col, mask=col < row), mask=col < row)
 
 
@@ -217,16 +209,12 @@ def _launch_gather(
 
 
 def _launch_scatter(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    batch, heads, tokens = rows.shape[:3]
-    rows, slots = rows.contiguous(), slots.contiguous()
-    for first in range(0, tokens, GRID_Y):  # the grid's second dimension holds at most 65,535 programs
-        run = min(GRID_Y, tokens - first)
-        _scatter_kernel[(batch * heads, run)](
-            pool.block_table,
-            slots + first,
-            rows[:, :, first : first + run].contiguous(),
-            run,
-            block_tokens=pool.block_tokens,
-            row=rows.shape[-1] * 2,
-            row_pow2=triton.next_power_of_2(rows.shape[-1] * 2),
-        )
+    batch, heads = rows.shape[:2]
+    _scatter_kernel[(batch * heads,)](
+        pool.block_table,
+        slots.contiguous(),
+        rows.contiguous(),
+        block_tokens=pool.block_tokens,
+        row=rows.shape[-1] * 2,
+        row_pow2=triton.next_power_of_2(rows.shape[-1] * 2),
+    )
