@@ -221,6 +221,9 @@ VARIANTS = [
 ALPHA = [
     ("alpha 2, eager", dict(policy="infinigen", budget=0.2, alpha=2.0, cuda_graphs=False), "step", None, True),
     ("alpha 2", dict(policy="infinigen", budget=0.2, alpha=2.0), "step", "alpha 2, eager", True),
+    # transformers' loop without selection graphs: tells the loop's own effect from the capture's
+    ("alpha 2, transformers' loop, eager", dict(policy="infinigen", budget=0.2, alpha=2.0, cuda_graphs=False), "loop",
+     "alpha 2, eager", True),
     ("alpha 2, transformers' loop", dict(policy="infinigen", budget=0.2, alpha=2.0), "loop", "alpha 2, eager", True),
 ]
 

@@ -6,9 +6,9 @@ head_dim 128 in float16): the unit every fetch moves. With ``kv_bits`` 8 a row h
 as int8 codes and their scale (``int8_rows``): rows are quantised as they are written and
 dequantised by the gather. The pool grows block by block; nothing is ever copied to grow it.
 
-Row moves between the pool and the compute device go through ``infinigen.runtime.transfer``:
-a zero-copy Triton kernel on CUDA (the GPU reads/writes pinned host memory directly), plain
-PyTorch indexing on CPU.
+A prompt's rows go in as DMA copies (``write_range``); a decode step's rows and every fetch go
+through ``infinigen.runtime.transfer``: a zero-copy Triton kernel on CUDA (the GPU reads/writes
+pinned host memory directly), plain PyTorch indexing on CPU.
 """
 
 from __future__ import annotations
