@@ -55,7 +55,8 @@ def test_decode_equals_generate_for_every_policy(tokenizer, policy, alpha, devic
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = prompts_batch(device, seed=3)
     settings = dict(policy=policy, budget=0.3, block_tokens=16, min_tokens=2)
-    settings |= {} if alpha is None else {"alpha": alpha}
+    if alpha is not None:
+        settings["alpha"] = alpha
     plain_cache, decode_cache = (cache_for(model, artifact, **settings) for _ in range(2))
     expected = greedy(model, inputs, plain_cache, new_tokens=24)
     assert torch.equal(decoded(model, inputs, decode_cache, new_tokens=24, do_sample=False), expected)
