@@ -395,6 +395,35 @@ def test_captured_selection_decodes_as_launched_kernels(tiny_llama, policy, alph
 
 
 @pytest.mark.cuda
+def test_captured_selection_survives_a_longer_shared_arange(tiny_llama, monkeypatch):
+    """A layer's selection graph reads the cache's shared arange (``all_slots``); another caller may
+    replace it by a longer one between replays. The graph keeps the one it read alive: its memory
+    is not handed out again, and junk written to new allocations does not reach the selection."""
+    from infinigen.runtime.graphs import SelectionGraph
+
+    model, artifact = tiny_llama
+    if model.device.type != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    replay, junk = SelectionGraph.__call__, []
+
+    def replay_then_grow(graph, layer, hidden, norm, rope):
+        out = replay(graph, layer, hidden, norm, rope)
+        old = layer.runtime.slot_range
+        if old.numel() < 4096:
+            layer.runtime.all_slots(old.numel() + 1)  # replaces the arange the graph was captured with
+            junk.append(torch.full_like(old, -7))  # the size just freed, unless the graph holds it
+        return out
+
+    monkeypatch.setattr(SelectionGraph, "__call__", replay_then_grow)
+    inputs = {"input_ids": torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(5)).cuda()}
+    settings = dict(policy="infinigen", budget=0.3, block_tokens=16, recent_tokens=4)
+    tokens = greedy(model, inputs, cache_for(model, artifact, **settings), new_tokens=30)
+    assert junk, "the arange was replaced"
+    launched = cache_for(model, artifact, cuda_graphs=False, **settings)
+    assert torch.equal(tokens, greedy(model, inputs, launched, new_tokens=30))
+
+
+@pytest.mark.cuda
 def test_automatic_garbage_collection_during_a_capture_leaves_it_intact(tiny_llama, monkeypatch):
     """Python's collector may run at any allocation, also inside a selection's capture, and free an
     unreachable cache whose CUDA graphs are then destroyed: that would end the capture."""

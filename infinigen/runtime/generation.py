@@ -48,6 +48,7 @@ class StepGraph:
         self.tokens: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
+        self.slot_range: torch.Tensor | None = None  # the shared arange the graph reads, kept alive with it
         self.stream = side_stream(cache.device, "capture") if cache.device.type == "cuda" else None
 
     @torch.no_grad()
@@ -92,6 +93,7 @@ class StepGraph:
 
     def _capture(self) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.cache.capturing, self.cache.step_wait_events = True, []
+        self.slot_range = self.cache.slot_range
         try:
             return capture(lambda: self._forward(self.tokens, self.positions), self.stream)
         finally:

@@ -38,6 +38,9 @@ class SelectionGraph:
         # the graph's static inputs, refilled before each replay: hidden (B, hidden) and the rotary cos/sin
         self.hidden: torch.Tensor | None = None
         self.rope: tuple[torch.Tensor, ...] = ()
+        # the cache's shared arange the capture read: a later, longer one replaces it, and the graph
+        # would read freed memory if this reference did not keep it alive
+        self.slot_range: torch.Tensor | None = None
 
     def __call__(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: Norm, rope) -> tuple[Selection, torch.Tensor]:
         if layer.capacity != self.capacity:
@@ -55,6 +58,7 @@ class SelectionGraph:
     def _capture(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: Norm, rope) -> None:
         self.graph = self.outputs = None  # release the previous capture's memory first
         layer.runtime.all_slots(layer.capacity + 1)  # the shared arange must not grow inside the capture
+        self.slot_range = layer.runtime.slot_range
         self.hidden = hidden.clone()  # static inputs, refilled before each replay
         self.rope = tuple(t.clone() for t in rope) if rope is not None else ()
         static_rope = self.rope or None
