@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-_RUNTIME = ("load", "cache_for", "decode", "InfinigenCache", "RuntimeConfig", "StepGraph")
+_RUNTIME = ("load", "cache_for", "decode", "InfinigenCache", "RuntimeConfig", "StepGraph", "reserve_host_memory")
 
 
 def __getattr__(name: str):

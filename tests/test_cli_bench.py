@@ -107,6 +107,7 @@ def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_pat
         ("--shape tiny-llama --sizes 2x", "--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384), got '2x'"),
         ("--model {folder} --layers 2", "--layers goes with --shape"),
         ("--shape tiny-llama --layers 1", "--layers must be at least 2, got 1"),
+        ("--shape tiny-llama --reserve-host-gb -1", "--reserve-host-gb must be at least 0, got -1.0"),
     ],
 )
 def test_bench_refuses_bad_combinations(checkpoint, args, message):
@@ -246,3 +247,19 @@ def test_bench_sweeps_kv_bits_and_reports_the_bytes_moved():
     micro = strict_json(bench("--micro --micro-contexts 64 --kv-bits 16,8 --json").stdout)["gather"]
     assert [r["kv_bits"] for r in micro] == [16] * 5 + [8] * 5
     assert [r["bytes"] * 20 for r in micro[:5]] == [r["bytes"] * 64 for r in micro[5:]]
+
+
+def test_bench_reserves_host_memory_before_its_cases(monkeypatch):
+    """--reserve-host-gb pins while the model loads and is ready before the first case: the pools'
+    blocks are carved from it (the reservation is this test's own)."""
+    from infinigen.runtime import host_memory
+
+    monkeypatch.setattr(host_memory, "_reserved", host_memory.defaultdict(list))
+    carved = []
+    carve = host_memory._carve
+    monkeypatch.setattr(host_memory, "_carve", lambda *args: carved.append(carve(*args)) or carved[-1])
+    result = bench("--batch 1 --prompt-len 64 --gen-len 1 --policies infinigen --reserve-host-gb 0.01 --json")
+    assert result.exit_code == 0, result.output
+    report = strict_json(result.stdout)
+    assert report["host_reserve_gb"] == 0.01 and report["host_reserved_s"] >= report["load_s"] >= 0
+    assert carved and all(block is not None for block in carved)

@@ -112,3 +112,60 @@ def test_a_later_cache_reuses_the_blocks_of_a_dropped_one(tokenizer, device):
     prefill(model, cache, batch=2, tokens=20, device=device)
     after = {as_bytes(block).data_ptr() for layer in cache.offloaded for block in layer.pool.blocks}
     assert after == before
+
+
+def test_a_region_gives_first_fit_ranges_and_merges_what_comes_back():
+    region = host_memory._Region(torch.empty(100, dtype=torch.uint8))
+    assert [region.take(30), region.take(30), region.take(30)] == [0, 30, 60]
+    assert region.take(20) is None  # 10 bytes left
+    region.release(30, 30)
+    assert region.take(40) is None and region.take(25) == 30  # first fit, the rest stays free
+    region.release(0, 30)
+    region.release(30, 25)  # merges with both neighbours: 0 .. 60 free again
+    region.release(60, 30)
+    assert region.free == {0: 100}
+
+
+@pytest.fixture
+def reservation(monkeypatch, device):
+    """A reservation of this test's own (a process keeps its reservations; the others' tests carve none)."""
+    flush_retired(device)
+    monkeypatch.setattr(host_memory, "_reserved", host_memory.defaultdict(list))
+    futures = host_memory.reserve_host_memory(8 * host_memory.PAGE, device, regions=2)  # two regions of 4 pages
+    regions = [future.result() for future in futures]
+    assert [region.memory.numel() for region in regions] == [4 * host_memory.PAGE] * 2
+    return regions
+
+
+def within(block: torch.Tensor, regions) -> bool:
+    return any(0 <= block.data_ptr() - region.memory.data_ptr() < region.memory.numel() for region in regions)
+
+
+def test_blocks_are_carved_from_a_reservation_and_go_back_to_it(reservation, device):
+    host = HostBlocks(torch.device(device))
+    host.plan([3 * host_memory.PAGE, 100, 2 * host_memory.PAGE])
+    big, small, other = host.take(3 * host_memory.PAGE), host.take(100), host.take(2 * host_memory.PAGE)
+    assert all(within(block, reservation) for block in (big, small, other))
+    assert [block.numel() for block in (big, small, other)] == [3 * host_memory.PAGE, 100, 2 * host_memory.PAGE]
+    blocks = (big, small, other)
+    offsets = [block.data_ptr() - r.memory.data_ptr() for block in blocks for r in reservation if within(block, [r])]
+    assert all(offset % host_memory.PAGE == 0 for offset in offsets)  # pages apart (mapped regions start on one)
+    assert big.is_pinned() == (device == "cuda")
+    too_big = host.take(5 * host_memory.PAGE)  # no region has room: a block of its own
+    assert not within(too_big, reservation)
+    retire([big, small, other, too_big], host.device)  # as a pool's finaliser does (the device with its index)
+    HostBlocks(host.device).plan([])  # frees every spare block: carved ones go back
+    assert [region.free for region in reservation] == [{0: 4 * host_memory.PAGE}] * 2
+
+
+def test_a_cache_decodes_the_same_from_reserved_blocks(tokenizer, reservation, device):
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    inputs = torch.randint(3, 512, (2, 20), generator=torch.Generator().manual_seed(1)).to(device)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=1)
+    carved = cache_for(model, artifact, block_tokens=8, budget=0.5)
+    tokens = model.generate(inputs, **{cache_argument(model): carved}, **kwargs)
+    assert all(within(block, reservation) for layer in carved.offloaded for block in layer.pool.blocks)
+    host_memory._reserved.clear()  # the same again, each block of its own
+    mapped = cache_for(model, artifact, block_tokens=8, budget=0.5)
+    assert torch.equal(model.generate(inputs, **{cache_argument(model): mapped}, **kwargs), tokens)
+    assert not any(within(block, reservation) for layer in mapped.offloaded for block in layer.pool.blocks)

@@ -34,6 +34,7 @@ _LAZY = {
     "cache_argument": "infinigen.runtime.generation",
     "decode": "infinigen.runtime.generation",
     "POLICIES": "infinigen.runtime.policies",
+    "reserve_host_memory": "infinigen.runtime.host_memory",
 }
 
 
@@ -80,4 +81,14 @@ def cache_for(
     return InfinigenCache(model, config_from(settings), artifact)
 
 
-__all__ = ["POLICIES", "InfinigenCache", "RuntimeConfig", "StepGraph", "cache_argument", "cache_for", "decode", "load"]
+__all__ = [
+    "POLICIES",
+    "InfinigenCache",
+    "RuntimeConfig",
+    "StepGraph",
+    "cache_argument",
+    "cache_for",
+    "decode",
+    "load",
+    "reserve_host_memory",
+]

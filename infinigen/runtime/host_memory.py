@@ -13,6 +13,11 @@ takes them as the forward reaches its layer (``take``), and a block nobody plann
 spot. A dropped pool's blocks are retired, not freed: the next plan synchronises the device once
 (no queued work may still read them), reuses those of the sizes it needs and unregisters the rest.
 On the CPU a block is a plain tensor, made through the same path.
+
+A process's first prompt still waits for its blocks to be pinned (a 32 GB pool: seconds).
+``reserve_host_memory`` pins memory before any prompt exists, beside the model's loading, as a
+server allocates its KV space at start-up: a few large regions registered on the workers, from which
+blocks of any size are carved (and to which they return), so the first prefill runs as a later one does.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ _retired: list[tuple[torch.device, torch.Tensor]] = []
 # mapping outlives every other reference (unmapping registered pages would leave CUDA a registration
 # that the next mapping at that address collides with) until ``_free`` unregisters it
 _registered: dict[int, torch.Tensor] = {}
+# reserved regions (``reserve_host_memory``) by device, as they are made; and every block carved from one, by data_ptr
+_reserved: dict[torch.device, list[Future]] = defaultdict(list)
+_carved: dict[int, tuple[_Region, int, int]] = {}
+PAGE = 4096  # carved blocks start on page boundaries, as mapped ones do
 
 
 def _workers() -> ThreadPoolExecutor:
@@ -63,7 +72,14 @@ def _retire_unused(spare: dict[int, list[torch.Tensor]], planned: dict[int, dequ
 
 
 def _new_block(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A (nbytes,) uint8 block: pinned and mapped for ``device`` on CUDA, plain memory on the CPU."""
+    """A (nbytes,) uint8 block: carved from the device's reservation where one has room, else pinned
+    and mapped for ``device`` on CUDA, plain memory on the CPU."""
+    carved = _carve(nbytes, device)
+    return carved if carved is not None else _mapped_block(nbytes, device)
+
+
+def _mapped_block(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A (nbytes,) uint8 block of its own: pinned and mapped for ``device`` on CUDA, plain memory on the CPU."""
     if device.type != "cuda":
         return torch.empty(nbytes, dtype=torch.uint8)
     # A mapping of its own: page-aligned, so no two registrations share a page. Its pages are faulted
@@ -96,10 +112,77 @@ def _free(block: torch.Tensor) -> None:
     """Unregister a block here, on the thread that plans (at a prefill, never inside a captured
     step), and unmap it on a worker (0.8 s for 8 GiB, against 0.15 s to unregister it)."""
     with _lock:
+        carved = _carved.pop(block.data_ptr(), None)
+        if carved is not None:
+            region, offset, size = carved
+            region.release(offset, size)
+            return
         registered = _registered.pop(block.data_ptr(), None) is not None
     if registered:
         torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
     _workers().submit(lambda block: None, block)  # the worker drops the last reference: the unmap
+
+
+class _Region:
+    """One reserved region of host memory and its free byte ranges (offset -> size), first fit."""
+
+    def __init__(self, memory: torch.Tensor) -> None:
+        self.memory = memory  # (nbytes,) uint8, pinned and mapped on CUDA
+        self.free = {0: memory.numel()}
+
+    def take(self, size: int) -> int | None:
+        """The offset of ``size`` bytes taken from the first free range that holds them, or None."""
+        for offset, room in sorted(self.free.items()):
+            if room >= size:
+                del self.free[offset]
+                if room > size:
+                    self.free[offset + size] = room - size
+                return offset
+        return None
+
+    def release(self, offset: int, size: int) -> None:
+        """Give a range back, merged with the free ranges on either side."""
+        following = self.free.pop(offset + size, 0)
+        before = next((start for start, room in self.free.items() if start + room == offset), None)
+        if before is None:
+            self.free[offset] = size + following
+        else:
+            self.free[before] += size + following
+
+
+def reserve_host_memory(nbytes: int, device: torch.device | str = "cuda", regions: int = WORKERS) -> list[Future]:
+    """Start pinning ``nbytes`` of host memory for ``device``'s pools, as ``regions`` regions made on
+    the worker threads at once (their registration rate adds up); returns at once. Blocks are carved
+    from it from then on (a block waits for regions still being made rather than pin more), and go
+    back to it when their pool is dropped; it stays pinned until the process ends. The futures
+    resolve when each region is ready (``wait`` them to time it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    size = -(-nbytes // (regions * PAGE)) * PAGE  # whole pages, the total rounded up
+    futures = [_workers().submit(lambda: _Region(_mapped_block(size, device))) for _ in range(regions)]
+    with _lock:
+        _reserved[device].extend(futures)
+    return futures
+
+
+def _carve(nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """A (nbytes,) view of the device's reservation with room for it, or None. Waits for regions being
+    made, not for those still queued: a block made on a worker would then wait on work behind it."""
+    with _lock:
+        futures = list(_reserved.get(device, ()))
+    size = -(-nbytes // PAGE) * PAGE
+    for future in futures:
+        if not (future.running() or future.done()):
+            continue
+        region = future.result()
+        with _lock:
+            offset = region.take(size)
+            if offset is not None:
+                block = region.memory[offset : offset + nbytes]
+                _carved[block.data_ptr()] = (region, offset, size)
+                return block
+    return None
 
 
 def as_bytes(block: torch.Tensor) -> torch.Tensor:
