@@ -23,7 +23,8 @@
 # by layer; the table says how many layers ran.
 # Settings: LAYERS (16), STEPS (8 timed decode steps after 3 warm-up), SIZES (8x16384,1x131072),
 # POLICIES (full,infinigen,hf-offloaded), BUDGET (0.1), BENCH_ARGS (more bench flags, e.g.
-# "--reuse-rows auto,off"), GRAPHS (step unless the equality phase saw step graphs raise: then
+# "--reuse-rows auto,off" or "--kv-bits 16,8": such rows get their own policy label; full / this compares
+# like with like where full ran in the same row format), GRAPHS (step unless the equality phase saw step graphs raise: then
 # selection, else off), DEADLINE (560: seconds from the start after which no command runs on; each phase's commands are cut to what is left, so a call of
 # at most 600 s returns what finished). Results, copied after every phase: $OUT if set, else /tmp:
 # tp_gpu_<phase>.json (each run's raw report), tp_gpu_table.txt, tp_gpu.log; working files in
@@ -447,16 +448,21 @@ def dense_kv_gb(report: dict, row: dict) -> float | None:
     return row["batch"] * row["prompt_len"] * kv_heads * 2 * head_dim * 2 * report["layers"] / 1e9
 
 
+def variant(row: dict) -> str:
+    """What sets a row apart from its policy's defaults: 8-bit rows, row reuse off."""
+    return (" (8-bit rows)" if row.get("kv_bits") == 8 else "") + (" (reuse off)" if row.get("reuse_rows") == "off" else "")
+
+
 def rows_of(name: str) -> dict:
     """(policy, batch, context) -> the row, with the memory beyond the weights and the dense KV share
-    (a row with row reuse off is its own policy)."""
+    (a row with row reuse off, or with 8-bit rows, is its own policy)."""
     report = reports.get(name) or {"results": []}
     found = {}
     for row in report["results"]:
         peak, dense = row.get("decode_peak_gpu_gb"), dense_kv_gb(report, row)
         weights = report.get("weights_gb")
         beyond = peak - weights if peak is not None and weights is not None else None
-        policy = row["policy"] + (" (reuse off)" if row.get("reuse_rows") == "off" else "")
+        policy = row["policy"] + variant(row)
         found[policy, row["batch"], row["prompt_len"]] = row | {"beyond_gb": beyond, "dense_kv_gb": dense}
     return found
 
@@ -484,8 +490,9 @@ for name in ("tp2", "tp4", "rank2", "rank4"):
     for (policy, batch, context), row in rows.items():
         step = row.get("ms_per_step")
 
-        def speedup(other: str) -> str:
-            theirs = rows.get((other, batch, context), {}).get("ms_per_step")
+        def speedup(other: str) -> str:  # against the same row format where the other ran in it
+            same = rows.get((other + variant(row), batch, context)) or rows.get((other, batch, context), {})
+            theirs = same.get("ms_per_step")
             return f"{theirs / step:.1f}x" if step and theirs and other != policy else ""
 
         beyond, dense = row["beyond_gb"], row["dense_kv_gb"]
@@ -508,14 +515,15 @@ if table:
 targets = []
 tp2, tp4, one2, one4 = (rows_of(name) for name in ("tp2", "tp4", "rank2", "rank4"))
 for (policy, batch, context), row in tp2.items():
-    if policy != "infinigen" or not row.get("ms_per_step"):
+    if not policy.startswith("infinigen") or "reuse off" in policy or not row.get("ms_per_step"):
         continue
     size, step = f"{batch} x {context}", row["ms_per_step"]
     for other, bound in (("full", 10), ("hf-offloaded", 10)):
-        theirs = tp2.get((other, batch, context), {})
+        theirs = tp2.get((other + variant(row), batch, context)) or tp2.get((other, batch, context), {})
         if theirs.get("ms_per_step"):
             ratio = theirs["ms_per_step"] / step
-            targets.append(f"TP=2 {size}: infinigen {ratio:.1f}x faster than {other} (>= {bound}x: "
+            label = other + variant(theirs)
+            targets.append(f"TP=2 {size}: {policy} {ratio:.1f}x faster than {label} (>= {bound}x: "
                            f"{'met' if ratio >= bound else 'not met'})")
         elif theirs.get("error"):
             targets.append(f"TP=2 {size}: {other} did not run: {theirs['error']}")
