@@ -26,6 +26,7 @@ def resident_rows(batch=3, heads=4, positions=12, n_slots=40) -> ResidentRows:
 
 def random_selection(generator, resident: ResidentRows, k=10):
     batch, heads, n_slots = resident.position_of.shape
+    n_slots -= 1  # the last column is no slot's
     indices = torch.stack([torch.randperm(n_slots, generator=generator)[:k] for _ in range(batch * heads)])
     selected = torch.rand(batch, heads, k, generator=generator) < 0.8
     return indices.view(batch, heads, k), selected
@@ -93,6 +94,63 @@ def test_growth_keeps_what_is_held():
     assert (resident.slots[..., 8:] == -1).all() and (resident.position_of[..., 20:] == -1).all()
     for _ in range(3):
         check(resident, *random_selection(generator, resident, k=12))
+
+
+def test_recent_rows_stay_attended_until_new_ones_need_their_places():
+    """``keep_recent``: the selection is always held; rows of earlier steps stay, attended, and give
+    their places up least recently selected first, after the free ones."""
+    generator = torch.Generator().manual_seed(4)
+    resident = resident_rows(batch=2, heads=3, positions=15, n_slots=40)  # room for 10 and half again
+    last_selected: dict[tuple[int, int, int], int] = {}
+    for step in range(8):
+        indices, selected = random_selection(generator, resident, k=10)
+        before = resident.slots.clone()
+        placement = resident.place(indices, selected, keep_recent=True)
+        for b in range(2):
+            for h in range(3):
+                wanted = set(indices[b, h][selected[b, h]].tolist())
+                for slot in wanted:
+                    last_selected[b, h, slot] = step
+                after = resident.slots[b, h].tolist()
+                held = {s for s in after if s >= 0}
+                assert wanted <= held, "the selection is held"
+                assert placement.attend[b, h].tolist() == [s >= 0 for s in after] + [False]
+                for position, slot in enumerate(before[b, h].tolist()):  # a held row moves nowhere
+                    assert after[position] in (slot, *wanted)
+                gone = {int(s) for s in before[b, h] if s >= 0} - held
+                kept_old = held - wanted
+                if gone and kept_old:  # what left was selected no later than what stayed
+                    assert max(last_selected[b, h, s] for s in gone) <= min(last_selected[b, h, s] for s in kept_old)
+                if -1 in before[b, h].tolist() and gone:
+                    assert -1 not in after, "free places are taken before held rows give theirs up"
+                n = int(placement.count[b, h])
+                moved = placement.missing[b, h, :n].tolist()
+                assert sorted(moved) == sorted(wanted - {int(s) for s in before[b, h] if s >= 0})
+                for slot, position in zip(moved, placement.destination[b, h, :n].tolist(), strict=True):
+                    assert after[position] == slot
+                lookup = {s: p for s, p in enumerate(resident.position_of[b, h, :-1].tolist()) if p >= 0}
+                assert lookup == {s: p for p, s in enumerate(after) if s >= 0}, "position_of mirrors slots"
+
+
+def test_resident_extra_attends_more_rows_for_no_more_bytes(tokenizer, device):
+    """With row reuse, rows of earlier steps kept on the GPU are attended beside the selection: the
+    same rows move, more are attended; at budget 1.0 the tokens stay dense's. (On CUDA the placement
+    runs inside the captured selections.)"""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    generator = torch.Generator().manual_seed(0)
+    inputs = padded_batch([torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 57)], 1, device)
+    settings = dict(budget=0.2, reuse_rows="on", min_tokens=2)
+    plain, wider = cache_for(model, artifact, **settings), cache_for(model, artifact, resident_extra=1.0, **settings)
+    greedy(model, inputs, plain, new_tokens=16), greedy(model, inputs, wider, new_tokens=16)
+    assert wider.summary()["fraction_fetched"] > plain.summary()["fraction_fetched"]
+    assert wider.summary()["bytes_host_to_device"] <= plain.summary()["bytes_host_to_device"] * 1.05
+    expected = greedy(model, inputs, DynamicCache())
+    exact = cache_for(model, artifact, resident_extra=1.0, reuse_rows="on", **EXACT)
+    assert torch.equal(greedy(model, inputs, exact), expected)
+    with pytest.raises(InfinigenError, match="needs row reuse"):
+        RuntimeConfig(resident_extra=0.5, reuse_rows="off")
+    with pytest.raises(InfinigenError, match="resident_extra must be in"):
+        RuntimeConfig(resident_extra=-1)
 
 
 KERNEL = r"""

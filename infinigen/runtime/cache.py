@@ -229,6 +229,7 @@ class InfinigenCache(Cache):
                 layer.capacity,
                 self.layer_budgets,
                 self.config.min_tokens,
+                self.config.resident_extra,
             )
             decision = reuse.decide(need, self.reuse_room)
             if self.reuse.on and not decision.on:
@@ -357,10 +358,12 @@ class InfinigenCache(Cache):
     def _fetch_new_rows(self, layer: OffloadedLayer, indices, count, valid, step: bool) -> Fetched:
         """``fetch`` with row reuse: the rows selected again stay where they are on the GPU, and only
         the rows the selection adds move, into the positions the dropped ones free (``reuse``)."""
-        k = indices.shape[-1]
-        resident = layer.resident_rows(k)
-        placement = resident.place(indices, valid[:, :, :k])
-        self._count(layer, placement.count.double().mean(dim=1), count if count is not None else k, step)
+        k, extra = indices.shape[-1], self.config.resident_extra
+        resident = layer.resident_rows(reuse.resident_positions(k, extra))
+        placement = resident.place(indices, valid[:, :, :k], keep_recent=extra > 0)
+        # attended: the selection, and with ``resident_extra`` the rows of earlier steps held with it
+        attended = placement.attend.sum(dim=-1).double().mean(dim=1) if extra else count if count is not None else k
+        self._count(layer, placement.count.double().mean(dim=1), attended, step)
         slots = resident.slots.clamp(min=0)
         # the move starts after everything the compute stream reads from this stream (its ready event)
         ready = self._move(layer, placement.missing, placement.count, resident.rows, placement.destination)

@@ -135,6 +135,15 @@ class RuntimeConfig:
         "memory). Default: half the GPU's free memory at prefill.",
         applies_to=("budgeted",),
     )
+    # Consecutive steps select mostly the same rows, and those a step drops still carry attention: kept
+    # on the GPU, they are attended for no bytes moved (ACCURACY.md, "Things tried").
+    resident_extra: float = option(
+        0.0,
+        "With row reuse: room on the GPU for this share of a layer's selection again, for rows that recent "
+        "steps selected; they are attended with the selection until new rows need their places (the least "
+        "recently selected go first). 0: the selection only.",
+        applies_to=("budgeted",),
+    )
     # Tuning of the CUDA row gather (``runtime.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".
     gather_programs: int | None = option(
         None, "Programs of the persistent CUDA gather (default: half the GPU's SMs).", cli=False
@@ -174,6 +183,10 @@ class RuntimeConfig:
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
         if self.reuse_gpu_gb is not None and not (0 <= self.reuse_gpu_gb < math.inf):
             raise InfinigenError(f"reuse_gpu_gb must be >= 0 (None: half the free GPU memory), got {self.reuse_gpu_gb}")
+        if not 0 <= self.resident_extra <= 8:
+            raise InfinigenError(f"resident_extra must be in [0, 8], got {self.resident_extra}")
+        if self.resident_extra and self.reuse_rows == "off":
+            raise InfinigenError("resident_extra keeps rows of earlier steps: it needs row reuse (auto or on)")
         if self.reuse_rows == "on" and self.cpu_pool_gb is not None:
             raise InfinigenError("reuse_rows needs an unlimited CPU pool (an evicted slot would leave a stale row)")
 

@@ -14,6 +14,7 @@ first prefill (``reuse_room``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,17 +43,31 @@ class Decision:
         return f"{'on' if self.on else 'off'} ({self.reason})"
 
 
+def resident_positions(selection: int, extra: float) -> int:
+    """Positions of a layer's resident rows for selections of up to ``selection`` slots: the selection,
+    and ``extra`` of it again for rows of earlier steps (``RuntimeConfig.resident_extra``)."""
+    return selection + math.ceil(extra * selection)
+
+
 def resident_bytes(
-    batch: int, kv_heads: int, head_dim: int, itemsize: int, capacity: int, budgets: Sequence[float], min_tokens: int
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    capacity: int,
+    budgets: Sequence[float],
+    min_tokens: int,
+    extra: float = 0.0,
 ) -> int:
     """GPU bytes of every offloaded layer's ``ResidentRows`` at a pool ``capacity`` (slots per
     (batch row, KV head)): each holds a layer's selection, at most its budget's share of the capacity
-    (``budgets``: each layer's), as K and V rows plus the token's own, with a slot per position and a
-    position per slot. One layer's buffers more for the copy while one grows."""
+    (``budgets``: each layer's), and ``extra`` of it again, as K and V rows plus the token's own, with
+    a slot and an age per position and a position per slot. One layer's buffers more for the copy
+    while one grows."""
     per_layer = []
     for budget in budgets:
-        positions = rows_bound(budget, capacity, min_tokens) + PAGE_SLACK
-        row = 2 * (positions + 1) * head_dim * itemsize + 8 * positions + 4 * capacity
+        positions = resident_positions(rows_bound(budget, capacity, min_tokens) + PAGE_SLACK, extra)
+        row = 2 * (positions + 1) * head_dim * itemsize + 12 * positions + 4 * (capacity + 1)
         per_layer.append(batch * kv_heads * row)
     return sum(per_layer) + max(per_layer, default=0)
 
@@ -96,24 +111,30 @@ class Placement:
 class ResidentRows:
     """One offloaded layer's rows on the GPU: ``rows`` (B, H, 2, P + 1, d), the last position for
     the step's own token; ``slots`` (B, H, P) int64, the slot each position holds (-1: none);
-    ``position_of`` (B, H, capacity) int32, each slot's position (-1: not resident), so a placement
-    looks a slot up instead of searching."""
+    ``position_of`` (B, H, capacity + 1) int32, each slot's position (-1: not resident; the last
+    column takes the writes of no slot), so a placement looks a slot up instead of searching;
+    ``age`` (B, H, P) int32, steps since each position's row was last selected (``keep_recent``)."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.rows = torch.zeros(batch, heads, 2, 1, head_dim, dtype=dtype, device=device)
         self.slots = torch.full((batch, heads, 0), -1, dtype=torch.int64, device=device)
-        self.position_of = torch.full((batch, heads, 0), -1, dtype=torch.int32, device=device)
+        self.position_of = torch.full((batch, heads, 1), -1, dtype=torch.int32, device=device)
+        self.age = torch.zeros(batch, heads, 0, dtype=torch.int32, device=device)
 
     def grow(self, positions: int, capacity: int) -> None:
         """Room for at least ``positions`` rows and ``capacity`` slots (what is held stays)."""
         self.rows = grown_to(self.rows, positions + 1, 3)  # the old token position: a free one (slot -1)
         self.slots = grown_to(self.slots, positions, 2, fill=-1)
-        self.position_of = grown_to(self.position_of, capacity, 2, fill=-1)
+        self.age = grown_to(self.age, positions, 2)
+        self.position_of = grown_to(self.position_of, capacity + 1, 2, fill=-1)
 
-    def place(self, indices: torch.Tensor, selected: torch.Tensor) -> Placement:
+    def place(self, indices: torch.Tensor, selected: torch.Tensor, keep_recent: bool = False) -> Placement:
         """The new selection: slots ``indices`` (B, H, K), K <= P, of which ``selected`` (B, H, K)
         are attended (distinct slots). Updates ``slots`` and ``position_of`` so that the valid
-        positions hold exactly the selected slots once the missing rows have moved."""
+        positions hold the selected slots once the missing rows have moved: exactly those, or with
+        ``keep_recent`` also the rows of earlier steps that no new row needed the place of."""
+        if keep_recent:
+            return _place_recent(self.slots, self.position_of, self.age, indices, selected)
         if triton is not None and indices.device.type == "cuda":
             return _launch_place(self.slots, self.position_of, indices, selected)
         return _place(self.slots, self.position_of, indices, selected)
@@ -140,6 +161,40 @@ def _place(slots: torch.Tensor, position_of: torch.Tensor, indices: torch.Tensor
     position_of[b, h, missing[b, h, j]] = destination[b, h, j]
     attend = torch.cat([slots >= 0, selected.new_zeros(batch, heads, 1)], dim=-1)
     return Placement(missing, count, destination, attend)
+
+
+def _place_recent(
+    slots: torch.Tensor, position_of: torch.Tensor, age: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor
+) -> Placement:
+    """The placement that keeps rows of earlier steps: the new rows take free positions first, then
+    those of the least recently selected rows; every held row is attended. PyTorch, fixed shapes and
+    no host syncs, so that CUDA graphs capture it (the placement kernel does only ``_place``)."""
+    batch, heads, positions = slots.shape
+    k = indices.shape[-1]
+    at = position_of.gather(-1, indices)  # (B, H, K): where each slot is now, -1: not resident
+    moving = selected & (at < 0)
+    kept = torch.zeros(batch, heads, positions + 1, dtype=torch.bool, device=slots.device)
+    kept.scatter_(-1, torch.where(selected & (at >= 0), at, positions).long(), True)
+    kept = kept[..., :positions]
+    count = moving.sum(dim=-1, dtype=torch.int32)
+    missing = _compacted(indices, moving)
+    age.add_(1).masked_fill_(kept, 0)
+    # the places new rows take: free ones first, then by age, oldest first; never a kept row's
+    preference = torch.where(slots < 0, torch.iinfo(torch.int32).max, age).masked_fill(kept, -1)
+    destination = preference.argsort(dim=-1, descending=True, stable=True)[..., :k]  # (B, H, K)
+    moved = torch.arange(k, device=slots.device) < count[..., None]
+    target = torch.where(moved, destination, positions)  # position P: a column that is dropped
+    held = torch.cat([slots, slots.new_full((batch, heads, 1), -1)], dim=-1)
+    held.scatter_(-1, target, torch.where(moved, missing, -1))
+    slots.copy_(held[..., :positions])
+    ages = torch.cat([age, age.new_zeros(batch, heads, 1)], dim=-1).scatter_(-1, target, 0)
+    age.copy_(ages[..., :positions])
+    capacity = position_of.shape[-1] - 1
+    order = torch.arange(positions, dtype=torch.int32, device=slots.device).expand(batch, heads, positions)
+    position_of.fill_(-1).scatter_(-1, torch.where(slots >= 0, slots, capacity), order)
+    position_of[..., capacity] = -1
+    attend = torch.cat([slots >= 0, selected.new_zeros(batch, heads, 1)], dim=-1)
+    return Placement(missing, count, destination.to(torch.int32), attend)
 
 
 def _compacted(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
