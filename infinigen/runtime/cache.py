@@ -357,7 +357,8 @@ class InfinigenCache(Cache):
 
     def _fetch_new_rows(self, layer: OffloadedLayer, indices, count, valid, step: bool) -> Fetched:
         """``fetch`` with row reuse: the rows selected again stay where they are on the GPU, and only
-        the rows the selection adds move, into the positions the dropped ones free (``reuse``)."""
+        the rows the selection adds move, into the positions the dropped ones free (``reuse``; with
+        ``resident_extra``, into free positions, then those of the least recently selected rows)."""
         k, extra = indices.shape[-1], self.config.resident_extra
         resident = layer.resident_rows(reuse.resident_positions(k, extra))
         placement = resident.place(indices, valid[:, :, :k], keep_recent=extra > 0)

@@ -136,7 +136,7 @@ class RuntimeConfig:
         applies_to=("budgeted",),
     )
     # Consecutive steps select mostly the same rows, and those a step drops still carry attention: kept
-    # on the GPU, they are attended for no bytes moved (ACCURACY.md, "Things tried").
+    # on the GPU, they are attended for no bytes moved (ACCURACY.md, "resident_extra").
     resident_extra: float = option(
         0.0,
         "With row reuse: room on the GPU for this share of a layer's selection again, for rows that recent "
