@@ -144,13 +144,7 @@ def _place(slots: torch.Tensor, position_of: torch.Tensor, indices: torch.Tensor
     """The placement in PyTorch (the CPU path, and the reference of the kernel's tests)."""
     batch, heads, positions = slots.shape
     k = indices.shape[-1]
-    at = position_of.gather(-1, indices)  # (B, H, K): where each slot is now, -1: not resident
-    moving = selected & (at < 0)
-    kept = torch.zeros(batch, heads, positions + 1, dtype=torch.bool, device=slots.device)
-    kept.scatter_(-1, torch.where(selected & (at >= 0), at, positions).long(), True)
-    kept = kept[..., :positions]
-    count = moving.sum(dim=-1, dtype=torch.int32)
-    missing = _compacted(indices, moving)
+    kept, count, missing = _kept_and_missing(slots, position_of, indices, selected)
     order = torch.arange(positions, device=slots.device).expand(batch, heads, positions)
     destination = _compacted(order, ~kept)[..., :k].to(torch.int32)  # free positions, in order
     b, h, p = ((slots >= 0) & ~kept).nonzero(as_tuple=True)  # dropped rows
@@ -171,13 +165,7 @@ def _place_recent(
     no host syncs, so that CUDA graphs capture it (the placement kernel does only ``_place``)."""
     batch, heads, positions = slots.shape
     k = indices.shape[-1]
-    at = position_of.gather(-1, indices)  # (B, H, K): where each slot is now, -1: not resident
-    moving = selected & (at < 0)
-    kept = torch.zeros(batch, heads, positions + 1, dtype=torch.bool, device=slots.device)
-    kept.scatter_(-1, torch.where(selected & (at >= 0), at, positions).long(), True)
-    kept = kept[..., :positions]
-    count = moving.sum(dim=-1, dtype=torch.int32)
-    missing = _compacted(indices, moving)
+    kept, count, missing = _kept_and_missing(slots, position_of, indices, selected)
     age.add_(1).masked_fill_(kept, 0)
     # the places new rows take: free ones first, then by age, oldest first; never a kept row's
     preference = torch.where(slots < 0, torch.iinfo(torch.int32).max, age).masked_fill(kept, -1)
@@ -195,6 +183,19 @@ def _place_recent(
     position_of[..., capacity] = -1
     attend = torch.cat([slots >= 0, selected.new_zeros(batch, heads, 1)], dim=-1)
     return Placement(missing, count, destination.to(torch.int32), attend)
+
+
+def _kept_and_missing(
+    slots: torch.Tensor, position_of: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both placements start from: ``kept`` (B, H, P) bool, the positions holding a row selected
+    again; ``count`` (B, H) int32, the selected rows not resident; ``missing`` (B, H, K), those slots first."""
+    batch, heads, positions = slots.shape
+    at = position_of.gather(-1, indices)  # (B, H, K): where each slot is now, -1: not resident
+    moving = selected & (at < 0)
+    kept = torch.zeros(batch, heads, positions + 1, dtype=torch.bool, device=slots.device)
+    kept.scatter_(-1, torch.where(selected & (at >= 0), at, positions).long(), True)
+    return kept[..., :positions], moving.sum(dim=-1, dtype=torch.int32), _compacted(indices, moving)
 
 
 def _compacted(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
