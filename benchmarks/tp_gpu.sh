@@ -449,13 +449,19 @@ def dense_kv_gb(report: dict, row: dict) -> float | None:
 
 
 def variant(row: dict) -> str:
-    """What sets a row apart from its policy's defaults: 8-bit rows, row reuse off."""
-    return (" (8-bit rows)" if row.get("kv_bits") == 8 else "") + (" (reuse off)" if row.get("reuse_rows") == "off" else "")
+    """What sets a row apart from its policy's defaults (8-bit rows, row reuse not auto, rows of earlier
+    steps attended), so that rows of a sweep over them stay apart."""
+    reuse, extra = row.get("reuse_rows"), row.get("resident_extra")
+    return (
+        (" (8-bit rows)" if row.get("kv_bits") == 8 else "")
+        + (f" (reuse {reuse})" if reuse not in (None, "auto") else "")
+        + (f" (resident extra {extra:g})" if extra else "")
+    )
 
 
 def rows_of(name: str) -> dict:
     """(policy, batch, context) -> the row, with the memory beyond the weights and the dense KV share
-    (a row with row reuse off, or with 8-bit rows, is its own policy)."""
+    (a row set apart by ``variant`` is its own policy)."""
     report = reports.get(name) or {"results": []}
     found = {}
     for row in report["results"]:
@@ -493,7 +499,7 @@ for name in ("tp2", "tp4", "rank2", "rank4"):
         def speedup(other: str) -> str:  # against the same row format where the other ran in it
             same = rows.get((other + variant(row), batch, context)) or rows.get((other, batch, context), {})
             theirs = same.get("ms_per_step")
-            return f"{theirs / step:.1f}x" if step and theirs and other != policy else ""
+            return f"{theirs / step:.1f}x" if step and theirs and other != row["policy"] else ""
 
         beyond, dense = row["beyond_gb"], row["dense_kv_gb"]
         table.append((
@@ -541,7 +547,8 @@ for (policy, batch, context), row in tp2.items():
             targets.append(f"TP={ranks} {size}: rank step / one GPU's on the per-rank shape {mine / alone:.2f} "
                            f"(<= 1.2: {'met' if mine / alone <= 1.2 else 'not met'})")
 if targets:
-    lines += ["", "targets (infinigen at the budget run; the layers that ran, not all 80):", *(f"  {t}" for t in targets)]
+    layers = (reports.get("tp2") or {}).get("layers")
+    lines += ["", f"targets (infinigen at the budget run; {layers} of the shape's layers):", *(f"  {t}" for t in targets)]
 print("\n".join(lines))
 EOF
     cp "$WORK/tp_gpu_table.txt" "$DEST/tp_gpu_table.txt"
