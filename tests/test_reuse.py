@@ -176,6 +176,26 @@ for step in range(8):
             n = int(want.count[b, h])
             assert torch.equal(got.missing[b, h, :n], want.missing[b, h, :n]), (step, b, h)
             assert torch.equal(got.destination[b, h, :n], want.destination[b, h, :n]), (step, b, h)
+# keep_recent: the kernel's placement equals _place_recent's, ages included; ages saturate at AGE_CAP
+reuse.AGE_CAP = 3  # ties among the oldest rows within a few steps
+kernel, reference = resident_rows(positions=30, n_slots=40), resident_rows(positions=30, n_slots=40)
+for step in range(12):
+    if step == 6:
+        for resident in (kernel, reference):
+            resident.grow(36, 60)
+    indices, selected = random_selection(generator, reference, k=12 - step % 5)
+    got = reuse._launch_place(kernel.slots, kernel.position_of, indices, selected, kernel.age)
+    want = reuse._place_recent(reference.slots, reference.position_of, reference.age, indices, selected)
+    assert torch.equal(got.count, want.count) and torch.equal(got.attend, want.attend), step
+    assert torch.equal(kernel.slots, reference.slots) and torch.equal(kernel.age, reference.age), step
+    assert torch.equal(kernel.position_of, reference.position_of), step
+    for b in range(3):
+        for h in range(4):
+            n = int(want.count[b, h])
+            assert torch.equal(got.missing[b, h, :n], want.missing[b, h, :n]), (step, b, h)
+            assert torch.equal(got.destination[b, h, :n], want.destination[b, h, :n]), (step, b, h)
+assert int(reference.age.max()) == 3 and bool((reference.slots >= 0).sum(-1).gt(12).any()), "rows of earlier steps held"
+reuse.AGE_CAP = 255
 # the gather with a destination writes the moved rows there and nothing else
 pool = KVPool(3, 4, 2, torch.float32, torch.device("cpu"), block_tokens=16, gather_programs=4)
 rows = torch.randn(3, 4, 60, 2, 2)

@@ -5,7 +5,10 @@ gives the new rows the positions the dropped ones free, so nothing but the new r
 
 On CUDA the placement is one Triton kernel per layer (a program per (batch row, head)); elsewhere
 the same result comes from PyTorch indexing. Device work only, fixed shapes: it runs inside
-captured selections.
+captured selections. With ``keep_recent`` (``RuntimeConfig.resident_extra``) the positions hold more
+than the selection: rows of earlier steps stay until new rows need their places, free places first,
+then those of the rows selected least recently (ages saturate at ``AGE_CAP`` steps; ties go in
+position order, so the kernel and PyTorch agree exactly).
 
 Whether a cache reuses rows (``decide``, for ``reuse_rows="auto"``) is host arithmetic: what the
 resident buffers need at a pool capacity (``resident_bytes``) against the room measured once, at the
@@ -32,6 +35,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 BLOCK = 1024  # positions or selected slots per loop step of the placement kernel
 FREE_SHARE = 0.5  # of the GPU's free memory at prefill, what auto reuse may take without a cap
 PAGE_SLACK = 16  # quest selects whole 16-token pages: up to 15 slots past the budget's share
+AGE_CAP = 255  # steps since a row was last selected, saturating: the kernel searches keys in 9 halvings
 
 
 @dataclass(frozen=True)
@@ -133,10 +137,11 @@ class ResidentRows:
         are attended (distinct slots). Updates ``slots`` and ``position_of`` so that the valid
         positions hold the selected slots once the missing rows have moved: exactly those, or with
         ``keep_recent`` also the rows of earlier steps that no new row needed the place of."""
+        age = self.age if keep_recent else None
+        if triton is not None and indices.device.type == "cuda":
+            return _launch_place(self.slots, self.position_of, indices, selected, age)
         if keep_recent:
             return _place_recent(self.slots, self.position_of, self.age, indices, selected)
-        if triton is not None and indices.device.type == "cuda":
-            return _launch_place(self.slots, self.position_of, indices, selected)
         return _place(self.slots, self.position_of, indices, selected)
 
 
@@ -160,26 +165,26 @@ def _place(slots: torch.Tensor, position_of: torch.Tensor, indices: torch.Tensor
 def _place_recent(
     slots: torch.Tensor, position_of: torch.Tensor, age: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor
 ) -> Placement:
-    """The placement that keeps rows of earlier steps: the new rows take free positions first, then
-    those of the least recently selected rows; every held row is attended. PyTorch, fixed shapes and
-    no host syncs, so that CUDA graphs capture it (the placement kernel does only ``_place``)."""
+    """The placement that keeps rows of earlier steps, in PyTorch (the CPU path, and the reference of
+    the kernel's tests): the new rows take free positions first, then those of the least recently
+    selected rows, in position order; every held row is attended."""
     batch, heads, positions = slots.shape
     k = indices.shape[-1]
     kept, count, missing = _kept_and_missing(slots, position_of, indices, selected)
-    age.add_(1).masked_fill_(kept, 0)
-    # the places new rows take: free ones first, then by age, oldest first; never a kept row's
-    preference = torch.where(slots < 0, torch.iinfo(torch.int32).max, age).masked_fill(kept, -1)
-    destination = preference.argsort(dim=-1, descending=True, stable=True)[..., :k]  # (B, H, K)
+    age.add_(1).clamp_(max=AGE_CAP).masked_fill_(kept, 0)
+    order = torch.arange(positions, device=slots.device).expand(batch, heads, positions)
+    # the places new rows take: the ``count`` largest keys (free, then oldest; ties by position)
+    key = torch.where(slots < 0, AGE_CAP + 1, age).masked_fill(kept, -1)
+    by_key = key.argsort(dim=-1, descending=True, stable=True)
+    taken = torch.zeros_like(kept).scatter_(-1, by_key, order < count[..., None])
+    destination = _compacted(order, taken)[..., :k]  # (B, H, K): taken positions, in order
     moved = torch.arange(k, device=slots.device) < count[..., None]
     target = torch.where(moved, destination, positions)  # position P: a column that is dropped
     held = torch.cat([slots, slots.new_full((batch, heads, 1), -1)], dim=-1)
-    held.scatter_(-1, target, torch.where(moved, missing, -1))
-    slots.copy_(held[..., :positions])
-    ages = torch.cat([age, age.new_zeros(batch, heads, 1)], dim=-1).scatter_(-1, target, 0)
-    age.copy_(ages[..., :positions])
+    slots.copy_(held.scatter_(-1, target, torch.where(moved, missing, -1))[..., :positions])
+    age.masked_fill_(taken, 0)
     capacity = position_of.shape[-1] - 1
-    order = torch.arange(positions, dtype=torch.int32, device=slots.device).expand(batch, heads, positions)
-    position_of.fill_(-1).scatter_(-1, torch.where(slots >= 0, slots, capacity), order)
+    position_of.fill_(-1).scatter_(-1, torch.where(slots >= 0, slots, capacity), order.to(torch.int32))
     position_of[..., capacity] = -1
     attend = torch.cat([slots >= 0, selected.new_zeros(batch, heads, 1)], dim=-1)
     return Placement(missing, count, destination.to(torch.int32), attend)
@@ -209,26 +214,13 @@ def _compacted(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _place_kernel(
-        slots, position_of, indices, selected, missing, count, destination, attend, kept,
-        k, positions, capacity, block: tl.constexpr,
-    ):  # fmt: skip
-        """One (batch row, head) per program, three passes over its own rows only (barriers between
-        them make each pass's stores visible to the next)."""
-        bh = tl.program_id(0)
-        slots += bh * positions
-        kept += bh * positions
-        position_of += bh * capacity
-        indices += bh * k
-        selected += bh * k
-        missing += bh * k
-        destination += bh * k
-        attend += bh * (positions + 1)
+    def _mark_kept(slots, position_of, indices, selected, missing, count, kept, k, positions, block: tl.constexpr):
+        """Both placements' first passes, one (batch row, head): ``kept`` marks the positions holding a
+        slot selected again; the selected slots not resident go to ``missing`` in order; their number."""
         for start in range(0, positions, block):
             p = start + tl.arange(0, block)
             tl.store(kept + p, tl.zeros([block], dtype=tl.int8), mask=p < positions)
         tl.debug_barrier()
-        # 1. the selected slots already resident keep their positions; the others move, in order
         n_moving = 0
         for start in range(0, k, block):
             j = start + tl.arange(0, block)
@@ -240,9 +232,28 @@ if triton is not None:
             rank = n_moving + tl.cumsum(moving.to(tl.int32), axis=0) - 1
             tl.store(missing + rank, slot, mask=moving)
             n_moving += tl.sum(moving.to(tl.int32), axis=0)
-        tl.store(count + bh, n_moving)
-        tl.debug_barrier()
-        # 2. the rows not kept leave; the moving ones take the free positions, in order
+        tl.store(count, n_moving)
+        tl.debug_barrier()  # the stores above visible to the passes that follow
+        return n_moving
+
+    @triton.jit
+    def _place_kernel(
+        slots, position_of, indices, selected, missing, count, destination, attend, kept,
+        k, positions, capacity, block: tl.constexpr,
+    ):  # fmt: skip
+        """``_place``: one (batch row, head) per program, over its own rows only."""
+        bh = tl.program_id(0)
+        slots += bh * positions
+        kept += bh * positions
+        position_of += bh * capacity
+        destination += bh * k
+        attend += bh * (positions + 1)
+        n_moving = _mark_kept(
+            slots, position_of, indices + bh * k, selected + bh * k, missing + bh * k, count + bh, kept,
+            k, positions, block,
+        )  # fmt: skip
+        # the rows not kept leave; the moving ones take the free positions, in order
+        missing += bh * k
         n_free = 0
         for start in range(0, positions, block):
             p = start + tl.arange(0, block)
@@ -262,10 +273,87 @@ if triton is not None:
             n_free += tl.sum(free.to(tl.int32), axis=0)
         tl.store(attend + positions, 0)
 
+    @triton.jit
+    def _eviction_key(slots, kept, age, p, live, age_cap: tl.constexpr):
+        """Which places new rows take first: free ones (``age_cap`` + 1), then by age; kept rows and
+        lanes past the end -1 (never taken)."""
+        held = tl.load(slots + p, mask=live, other=0) >= 0
+        keep = tl.load(kept + p, mask=live, other=1) != 0
+        return tl.where(keep, -1, tl.where(held, tl.load(age + p, mask=live, other=0), age_cap + 1))
+
+    @triton.jit
+    def _count_at_least(slots, kept, age, least, positions, block: tl.constexpr, age_cap: tl.constexpr):
+        total = 0
+        for start in range(0, positions, block):
+            p = start + tl.arange(0, block)
+            key = _eviction_key(slots, kept, age, p, p < positions, age_cap)
+            total += tl.sum((key >= least).to(tl.int32), axis=0)
+        return total
+
+    @triton.jit
+    def _place_recent_kernel(
+        slots, position_of, age, indices, selected, missing, count, destination, attend, kept,
+        k, positions, capacity, block: tl.constexpr, age_cap: tl.constexpr, halvings: tl.constexpr,
+    ):  # fmt: skip
+        """``_place_recent``: the new rows take the ``count`` places of largest key, found by halving
+        the key range (the key at the cut, then how many of its ties in position order), no sort."""
+        bh = tl.program_id(0)
+        slots += bh * positions
+        age += bh * positions
+        kept += bh * positions
+        position_of += bh * capacity
+        destination += bh * k
+        attend += bh * (positions + 1)
+        n_moving = _mark_kept(
+            slots, position_of, indices + bh * k, selected + bh * k, missing + bh * k, count + bh, kept,
+            k, positions, block,
+        )  # fmt: skip
+        missing += bh * k
+        for start in range(0, positions, block):  # a step older; the rows selected again, age 0
+            p = start + tl.arange(0, block)
+            live = p < positions
+            older = tl.minimum(tl.load(age + p, mask=live, other=0) + 1, age_cap)
+            tl.store(age + p, tl.where(tl.load(kept + p, mask=live, other=0) != 0, 0, older), mask=live)
+        tl.debug_barrier()
+        # the cut: the largest key with at least n_moving places at or above it (the kept rows' -1 never)
+        low, high = 0, age_cap + 1
+        for _ in range(halvings):
+            middle = (low + high + 1) // 2
+            enough = _count_at_least(slots, kept, age, middle, positions, block, age_cap) >= n_moving
+            low, high = tl.where(enough, middle, low), tl.where(enough, high, middle - 1)
+        ties_taken = n_moving - _count_at_least(slots, kept, age, low + 1, positions, block, age_cap)
+        n_taken = 0
+        n_ties = 0
+        for start in range(0, positions, block):
+            p = start + tl.arange(0, block)
+            live = p < positions
+            key = _eviction_key(slots, kept, age, p, live, age_cap)
+            tie = key == low
+            tie_rank = n_ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            take = live & ((key > low) | (tie & (tie_rank < ties_taken)))
+            rank = n_taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            old = tl.load(slots + p, mask=live, other=-1)
+            new = tl.load(missing + rank, mask=take, other=-1)
+            tl.store(position_of + old, tl.full([block], -1, dtype=tl.int32), mask=take & (old >= 0))
+            tl.store(position_of + new, p.to(tl.int32), mask=take)
+            tl.store(destination + rank, p.to(tl.int32), mask=take)
+            tl.store(age + p, tl.zeros([block], dtype=tl.int32), mask=take)
+            now = tl.where(take, new, old)
+            tl.store(slots + p, now, mask=live)
+            tl.store(attend + p, (now >= 0).to(tl.int8), mask=live)
+            n_taken += tl.sum(take.to(tl.int32), axis=0)
+            n_ties += tl.sum(tie.to(tl.int32), axis=0)
+        tl.store(attend + positions, 0)
+
 
 def _launch_place(
-    slots: torch.Tensor, position_of: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor
+    slots: torch.Tensor,
+    position_of: torch.Tensor,
+    indices: torch.Tensor,
+    selected: torch.Tensor,
+    age: torch.Tensor | None = None,
 ) -> Placement:
+    """``_place`` on CUDA, or with ``age`` given ``_place_recent``."""
     batch, heads, positions = slots.shape
     k = indices.shape[-1]
     device = slots.device
@@ -274,19 +362,13 @@ def _launch_place(
     destination = torch.empty(batch, heads, k, dtype=torch.int32, device=device)
     attend = torch.empty(batch, heads, positions + 1, dtype=torch.bool, device=device)
     kept = torch.empty(batch, heads, positions, dtype=torch.int8, device=device)  # scratch
-    _place_kernel[(batch * heads,)](
-        slots,
-        position_of,
-        indices.contiguous(),
-        selected.contiguous().view(torch.int8),
-        missing,
-        count,
-        destination,
-        attend.view(torch.int8),
-        kept,
-        k,
-        positions,
-        position_of.shape[-1],
-        block=BLOCK,
-    )
+    common = (indices.contiguous(), selected.contiguous().view(torch.int8), missing, count, destination)
+    common += (attend.view(torch.int8), kept, k, positions, position_of.shape[-1])
+    if age is None:
+        _place_kernel[(batch * heads,)](slots, position_of, *common, block=BLOCK)
+    else:
+        halvings = (AGE_CAP + 1).bit_length()  # the keys -1 .. AGE_CAP + 1: the cut in [0, AGE_CAP + 1]
+        _place_recent_kernel[(batch * heads,)](
+            slots, position_of, age, *common, block=BLOCK, age_cap=AGE_CAP, halvings=halvings
+        )
     return Placement(missing, count, destination, attend)
