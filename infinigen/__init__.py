@@ -2,7 +2,16 @@
 
 __version__ = "0.1.0"
 
-_RUNTIME = ("load", "cache_for", "decode", "InfinigenCache", "RuntimeConfig", "StepGraph", "reserve_host_memory")
+_RUNTIME = (
+    "load",
+    "cache_for",
+    "decode",
+    "InfinigenCache",
+    "RuntimeConfig",
+    "StepGraph",
+    "reserve_host_memory",
+    "host_pool_bytes",
+)
 
 
 def __getattr__(name: str):

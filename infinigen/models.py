@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from infinigen.architectures import model_spec
 from infinigen.errors import InfinigenError
@@ -150,9 +158,21 @@ def locate(name: str | None) -> tuple[str, dict, ModelSource]:
     )
 
 
-def load_model(name: str | None = None, *, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+# called with the model's config, its tokenizer, the dtype and the device the weights will load in
+BeforeWeights = Callable[[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype, torch.device], None]
+
+
+def load_model(
+    name: str | None = None,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    before_weights: BeforeWeights | None = None,
+) -> LoadedModel:
     """Load MODEL (see module docstring) in eval mode on ``device`` with ``dtype``; under torchrun
-    (``WORLD_SIZE`` > 1) sharded over the ranks by transformers' tensor parallelism."""
+    (``WORLD_SIZE`` > 1) sharded over the ranks by transformers' tensor parallelism.
+    ``before_weights(config, tokenizer, dtype, device)`` runs once both are loaded, before the weights (work
+    that may run beside their loading: ``infinigen generate`` starts pinning its pools there)."""
     device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, device)
     target, kwargs, source = locate(name)
@@ -165,6 +185,8 @@ def load_model(name: str | None = None, *, device: str | None = None, dtype: str
         model_spec(config)
         sharding = loading_arguments(config, ranks) if ranks > 1 else {}
         tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
+        if before_weights is not None:
+            before_weights(config, tokenizer, torch_dtype, torch.device(device))
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **kwargs, **sharding)
     except (OSError, ValueError) as exc:  # not found locally / on the Hub / offline; a malformed checkpoint
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -124,6 +124,30 @@ def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
     assert again["stats"]["bytes_host_to_device"] < report["stats"]["bytes_host_to_device"]
 
 
+def test_generate_pins_its_pools_while_the_weights_load(prepared, monkeypatch):
+    """The prompt's pools are reserved before the weights load (beside it), and the prefill's blocks
+    are carved from that reservation; a policy without a pool reserves nothing."""
+    from infinigen.runtime import host_memory
+
+    folder, out = prepared("llama")
+    events: list[str] = []
+    reserve, load = host_memory.reserve_host_memory, AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(host_memory, "_reserved", host_memory.defaultdict(list))
+    monkeypatch.setattr(host_memory, "reserve_host_memory", lambda *a: (events.append("reserve"), reserve(*a))[1])
+    loading = lambda *a, **k: (events.append("weights"), load(*a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", loading)
+    carve = host_memory._carve
+    carved: list[torch.Tensor | None] = []
+    monkeypatch.setattr(host_memory, "_carve", lambda *a: (carved.append(carve(*a)), carved[-1])[1])
+    args = ("generate", str(folder), "--artifact", str(out), "--prompt", "the house was old", "--device", "cpu")
+    result = invoke(*args, "--max-new-tokens", "6", "--budget", "0.5")
+    assert result.exit_code == 0, result.output
+    assert events == ["reserve", "weights"] and carved and all(block is not None for block in carved)
+    events.clear()
+    assert invoke(*args, "--policy", "dense").exit_code == 0
+    assert events == ["weights"]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import tiny_setup
 
-from infinigen.runtime import cache_argument, cache_for, host_memory
+from infinigen.runtime import cache_argument, cache_for, host_memory, host_pool_bytes
 from infinigen.runtime.host_memory import HostBlocks, as_bytes, retire
 
 
@@ -99,6 +99,35 @@ def test_a_prefill_plans_exactly_the_blocks_its_pools_take(tokenizer, device, kv
     assert planned[-len(pools) :] == [pools[0].block_nbytes] * len(pools) and len(planned) == 4 * len(pools)
 
 
+ROW_BYTES = 2 * 16 * 4  # the tiny Llama's K and V of one token and KV head, float32
+
+
+@pytest.mark.parametrize(
+    ("arch", "settings"),
+    [
+        ("llama", dict(budget=0.5)),
+        ("llama", dict(budget=0.5, kv_bits=8)),
+        ("llama", dict(policy="int4")),  # rows in the policy's own codes
+        ("opt", dict(policy="full", dense_layers=1)),
+        ("gemma3", dict(budget=0.5)),  # sliding-window layers keep their window on the device
+        ("llama", dict(budget=0.5, cpu_pool_gb=24 * 2 * 2 * ROW_BYTES / 1e9)),  # 24 tokens a sequence: evicts
+        ("llama", dict(policy="dense")),  # no pool at all
+    ],
+)
+def test_host_pool_bytes_is_what_the_pools_take(tokenizer, device, arch, settings):
+    """What ``infinigen generate`` pins before the weights load: the pools' blocks once the prompt
+    and the new tokens are cached, from the config and the settings alone."""
+    model, artifact = tiny_setup(tokenizer, arch, device)
+    cache = cache_for(model, artifact, block_tokens=8, **settings)
+    ids = torch.randint(3, 512, (2, 20), generator=torch.Generator().manual_seed(0)).to(device)
+    model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=1, **{cache_argument(model): cache})
+    size = host_pool_bytes(model.config, 2, 20 + 6, model.dtype, block_tokens=8, **settings)
+    pools = [layer.pool for layer in cache.offloaded if layer.pool is not None]
+    assert size.blocks == sum(len(pool.blocks) for pool in pools)
+    assert size.nbytes == sum(pool.nbytes for pool in pools)
+    assert (size.blocks > 0) == (settings.get("policy") != "dense")
+
+
 def test_a_later_cache_reuses_the_blocks_of_a_dropped_one(tokenizer, device):
     model, artifact = tiny_setup(tokenizer, "llama", device)
     flush_retired(device)
@@ -169,3 +198,24 @@ def test_a_cache_decodes_the_same_from_reserved_blocks(tokenizer, reservation, d
     mapped = cache_for(model, artifact, block_tokens=8, budget=0.5)
     assert torch.equal(model.generate(inputs, **{cache_argument(model): mapped}, **kwargs), tokens)
     assert not any(within(block, reservation) for layer in mapped.offloaded for block in layer.pool.blocks)
+
+
+def test_a_reservation_that_could_not_be_made_leaves_blocks_of_their_own(tokenizer, monkeypatch, device):
+    """Host memory short at start-up: the regions fail on the workers, and the pools make their own."""
+    flush_retired(device)
+    monkeypatch.setattr(host_memory, "_reserved", host_memory.defaultdict(list))
+    mapped = host_memory._mapped_block
+
+    def short(nbytes, on):
+        if nbytes > 4 * host_memory.PAGE:
+            raise MemoryError("no room for the region")
+        return mapped(nbytes, on)
+
+    monkeypatch.setattr(host_memory, "_mapped_block", short)
+    futures = host_memory.reserve_host_memory(64 * host_memory.PAGE, device)
+    assert all(isinstance(future.exception(), MemoryError) for future in futures)
+    monkeypatch.setattr(host_memory, "_mapped_block", mapped)
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    cache = cache_for(model, artifact, block_tokens=8, budget=0.5)
+    prefill(model, cache, batch=2, tokens=20, device=device)
+    assert all(len(layer.pool.blocks) == 3 for layer in cache.offloaded)

@@ -47,8 +47,9 @@ def generate(
 
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
-    from infinigen.runtime import RuntimeConfig, cache_for
+    from infinigen.runtime import RuntimeConfig, cache_for, host_pool_bytes, reserve_host_memory
     from infinigen.runtime.generation import Sampling, generate_text
+    from infinigen.runtime.host_memory import WORKERS
 
     prompts = _prompts(prompt, prompt_file, batch_file)
     config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
@@ -57,14 +58,22 @@ def generate(
         raise InfinigenError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if device is None and not torch.cuda.is_available():
         err_console.print("no CUDA device: running on the CPU (slowly)")
-    loaded = load_model(model, device=device, dtype=dtype)
+
+    def start_pinning(model_config, tokenizer, torch_dtype: torch.dtype, on: torch.device) -> None:
+        """The prompts' pools pinned on worker threads while the weights load: a process's first
+        prefill would otherwise wait for its blocks (BENCHMARKS.md, "Prefill")."""
+        longest = max(len(ids) for ids in tokenizer(_templated(prompts, tokenizer, chat))["input_ids"])
+        tokens = longest + max_new_tokens
+        if tokens > model_config.max_position_embeddings:
+            return  # refused once the model is loaded, with the reason
+        size = host_pool_bytes(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(config))
+        if size.blocks:  # the regions hold whole blocks: up to a block's slack each
+            reserve_host_memory(size.nbytes + WORKERS * size.block_bytes, on)
+
+    loaded = load_model(model, device=device, dtype=dtype, before_weights=start_pinning)
     checked = open_artifact(artifact, loaded.model) if artifact is not None else None
     tokenizer = loaded.tokenizer
-    if chat:
-        prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
-        ]
+    prompts = _templated(prompts, tokenizer, chat)
     with cache_for(loaded.model, checked, **vars(config)) as cache:
         texts, stats = generate_text(
             loaded.model,
@@ -85,6 +94,16 @@ def generate(
     shown = {key: human_bytes(value) if "bytes" in key else value for key, value in stats.items() if key != "per_layer"}
     ranks = world_size()  # the statistics are rank 0's: the bytes of its KV heads
     print_pairs(f"{config.policy} on {loaded.model.device}" + (f", rank 0 of {ranks}" if ranks > 1 else ""), shown)
+
+
+def _templated(prompts: list[str], tokenizer, chat: bool) -> list[str]:
+    """The prompts as the model reads them: in the tokenizer's chat template with ``chat``."""
+    if not chat:
+        return prompts
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
 
 
 def _prompts(prompt: str | None, prompt_file: Path | None, batch_file: Path | None) -> list[str]:

@@ -35,6 +35,7 @@ _LAZY = {
     "decode": "infinigen.runtime.generation",
     "POLICIES": "infinigen.runtime.policies",
     "reserve_host_memory": "infinigen.runtime.host_memory",
+    "host_pool_bytes": "infinigen.runtime.sizing",
 }
 
 
@@ -89,6 +90,7 @@ __all__ = [
     "cache_argument",
     "cache_for",
     "decode",
+    "host_pool_bytes",
     "load",
     "reserve_host_memory",
 ]

@@ -25,9 +25,10 @@ from infinigen.runtime.allocation import offloaded_budgets
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.hooks import attach
 from infinigen.runtime.host_memory import HostBlocks
-from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer, pool_tokens
+from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer
 from infinigen.runtime.policies import Selection, make_policy
 from infinigen.runtime.pool import row_bytes
+from infinigen.runtime.sizing import offloaded_layer_indices, pool_limit
 from infinigen.runtime.sliding import SlidingLayer
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
@@ -72,13 +73,7 @@ class InfinigenCache(Cache):
             )
         if config.kv_bits == 8 and self.spec.head_dim % 4:  # the gather reads each row's scales as float32
             raise InfinigenError(f"kv_bits 8 needs a head_dim that is a multiple of 4, not {self.spec.head_dim}")
-        # Sliding-window layers keep their window on the device whatever the policy (``SlidingLayer``);
-        # of the others, layers 0 .. dense_layers-1 keep their KV there too, the rest are offloaded.
-        # ``dense_layers`` counts layers, not full-attention ones: what it guards against, speculating
-        # from a residual stream that is still changing fast, depends on the depth alone.
-        windows = sliding_windows(model.config)
-        dense = self.spec.n_layers if not self.policy.offloads else config.dense_layers
-        self.offloaded_indices = [i for i, window in enumerate(windows) if window is None and i >= dense]
+        self.offloaded_indices = offloaded_layer_indices(model.config, config.dense_layers, self.policy.offloads)
         self.n_offloaded = len(self.offloaded_indices)
         if self.policy.speculates and 0 in self.offloaded_indices:
             raise InfinigenError("speculation needs the previous layer: dense_layers must be at least 1")
@@ -93,7 +88,7 @@ class InfinigenCache(Cache):
         )
         budgets = dict(zip(self.offloaded_indices, self.layer_budgets, strict=True))
         layers: list = []
-        for i, window in enumerate(windows):
+        for i, window in enumerate(sliding_windows(model.config)):
             if window is not None:
                 layers.append(SlidingLayer(window, runtime=self))
             elif i not in budgets:
@@ -198,11 +193,7 @@ class InfinigenCache(Cache):
         the KV heads: every rank keeps as many tokens as one process would, and evicts the same ones."""
         nbytes = row_bytes(self.spec.head_dim, dtype, self.policy.codec, self.config.kv_bits)
         pool_gb = None if self.config.cpu_pool_gb is None else self.config.cpu_pool_gb / self.shard.ranks
-        tokens = pool_tokens(pool_gb, self.n_offloaded, batch, self.shard.kv_count, nbytes)
-        if tokens is None:
-            return None
-        tokens -= tokens % self.config.block_tokens if tokens >= self.config.block_tokens else 0
-        return tokens
+        return pool_limit(pool_gb, self.n_offloaded, batch, self.shard.kv_count, nbytes, self.config.block_tokens)
 
     # --- row reuse ---------------------------------------------------------------------------
 

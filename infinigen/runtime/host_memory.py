@@ -173,8 +173,8 @@ def _carve(nbytes: int, device: torch.device) -> torch.Tensor | None:
         futures = list(_reserved.get(device, ()))
     size = -(-nbytes // PAGE) * PAGE
     for future in futures:
-        if not (future.running() or future.done()):
-            continue
+        if not (future.running() or future.done()) or future.exception() is not None:
+            continue  # a region that could not be made (host memory short): blocks of their own instead
         region = future.result()
         with _lock:
             offset = region.take(size)

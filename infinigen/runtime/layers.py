@@ -390,10 +390,3 @@ class OffloadedLayer(_Layer):
         self.fetch_count.scatter_add_(-1, indices, fetched_valid.to(torch.int32))
         recent = torch.where(fetched_valid, self.step, self.last_fetch.gather(-1, indices))
         self.last_fetch.scatter_(-1, indices, recent)
-
-
-def pool_tokens(cpu_pool_gb: float | None, n_offloaded: int, batch: int, kv_heads: int, row_bytes: int) -> int | None:
-    """Tokens per (batch row, KV head, layer) that a CPU pool of ``cpu_pool_gb`` holds."""
-    if cpu_pool_gb is None or n_offloaded == 0:
-        return None
-    return int(cpu_pool_gb * 1e9 // (n_offloaded * batch * kv_heads * row_bytes))  # GB: 10^9 bytes, as every *_gb
