@@ -125,9 +125,11 @@ def smollm2_artifact(smollm2):
 def run_in_interpreter(script: str, **env: str) -> None:
     """Run ``script`` under Triton's CPU interpreter (TRITON_INTERPRET=1; tests/ and the repository
     importable, ``env`` added) and check that it printed ``ok``: how CI, without a GPU, runs the
-    same checks the CUDA tests run on the compiled kernels."""
+    same checks the CUDA tests run on the compiled kernels. Each kernel it launches is compiled for
+    sm_90 too (``compile_check``)."""
     path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
     variables = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, **env)
+    script = "import compile_check\n" + script
     result = subprocess.run([sys.executable, "-c", script], env=variables, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
