@@ -214,6 +214,18 @@ def _compacted(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _own_rows(bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity):
+        """The buffers' rows of (batch row, head) ``bh``."""
+        return (
+            slots + bh * positions,
+            kept + bh * positions,
+            position_of + bh * capacity,
+            destination + bh * k,
+            attend + bh * (positions + 1),
+            missing + bh * k,
+        )
+
+    @triton.jit
     def _mark_kept(slots, position_of, indices, selected, missing, count, kept, k, positions, block: tl.constexpr):
         """Both placements' first passes, one (batch row, head): ``kept`` marks the positions holding a
         slot selected again; the selected slots not resident go to ``missing`` in order; their number."""
@@ -243,17 +255,13 @@ if triton is not None:
     ):  # fmt: skip
         """``_place``: one (batch row, head) per program, over its own rows only."""
         bh = tl.program_id(0)
-        slots += bh * positions
-        kept += bh * positions
-        position_of += bh * capacity
-        destination += bh * k
-        attend += bh * (positions + 1)
+        slots, kept, position_of, destination, attend, missing = _own_rows(
+            bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity
+        )
         n_moving = _mark_kept(
-            slots, position_of, indices + bh * k, selected + bh * k, missing + bh * k, count + bh, kept,
-            k, positions, block,
-        )  # fmt: skip
+            slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
+        )
         # the rows not kept leave; the moving ones take the free positions, in order
-        missing += bh * k
         n_free = 0
         for start in range(0, positions, block):
             p = start + tl.arange(0, block)
@@ -298,17 +306,13 @@ if triton is not None:
         """``_place_recent``: the new rows take the ``count`` places of largest key, found by halving
         the key range (the key at the cut, then how many of its ties in position order), no sort."""
         bh = tl.program_id(0)
-        slots += bh * positions
+        slots, kept, position_of, destination, attend, missing = _own_rows(
+            bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity
+        )
         age += bh * positions
-        kept += bh * positions
-        position_of += bh * capacity
-        destination += bh * k
-        attend += bh * (positions + 1)
         n_moving = _mark_kept(
-            slots, position_of, indices + bh * k, selected + bh * k, missing + bh * k, count + bh, kept,
-            k, positions, block,
-        )  # fmt: skip
-        missing += bh * k
+            slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
+        )
         for start in range(0, positions, block):  # a step older; the rows selected again, age 0
             p = start + tl.arange(0, block)
             live = p < positions
