@@ -10,7 +10,7 @@ _RUNTIME = (
     "RuntimeConfig",
     "StepGraph",
     "reserve_host_memory",
-    "host_pool_bytes",
+    "host_pool_size",
 )
 
 

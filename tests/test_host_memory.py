@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import tiny_setup
 
-from infinigen.runtime import cache_argument, cache_for, host_memory, host_pool_bytes
+from infinigen.runtime import cache_argument, cache_for, host_memory, host_pool_size
 from infinigen.runtime.host_memory import HostBlocks, as_bytes, retire
 
 
@@ -114,14 +114,14 @@ ROW_BYTES = 2 * 16 * 4  # the tiny Llama's K and V of one token and KV head, flo
         ("llama", dict(policy="dense")),  # no pool at all
     ],
 )
-def test_host_pool_bytes_is_what_the_pools_take(tokenizer, device, arch, settings):
+def test_host_pool_size_is_what_the_pools_take(tokenizer, device, arch, settings):
     """What ``infinigen generate`` pins before the weights load: the pools' blocks once the prompt
     and the new tokens are cached, from the config and the settings alone."""
     model, artifact = tiny_setup(tokenizer, arch, device)
     cache = cache_for(model, artifact, block_tokens=8, **settings)
     ids = torch.randint(3, 512, (2, 20), generator=torch.Generator().manual_seed(0)).to(device)
     model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=1, **{cache_argument(model): cache})
-    size = host_pool_bytes(model.config, 2, 20 + 6, model.dtype, block_tokens=8, **settings)
+    size = host_pool_size(model.config, 2, 20 + 6, model.dtype, block_tokens=8, **settings)
     pools = [layer.pool for layer in cache.offloaded if layer.pool is not None]
     assert size.blocks == sum(len(pool.blocks) for pool in pools)
     assert size.nbytes == sum(pool.nbytes for pool in pools)

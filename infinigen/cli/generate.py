@@ -47,7 +47,7 @@ def generate(
 
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
-    from infinigen.runtime import RuntimeConfig, cache_for, host_pool_bytes, reserve_host_memory
+    from infinigen.runtime import RuntimeConfig, cache_for, host_pool_size, reserve_host_memory
     from infinigen.runtime.generation import Sampling, generate_text
     from infinigen.runtime.host_memory import WORKERS
 
@@ -66,7 +66,7 @@ def generate(
         tokens = longest + max_new_tokens
         if tokens > model_config.max_position_embeddings:
             return  # refused once the model is loaded, with the reason
-        size = host_pool_bytes(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(config))
+        size = host_pool_size(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(config))
         if size.blocks:  # the regions hold whole blocks: up to a block's slack each
             reserve_host_memory(size.nbytes + WORKERS * size.block_bytes, on)
 

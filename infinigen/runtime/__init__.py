@@ -35,7 +35,7 @@ _LAZY = {
     "decode": "infinigen.runtime.generation",
     "POLICIES": "infinigen.runtime.policies",
     "reserve_host_memory": "infinigen.runtime.host_memory",
-    "host_pool_bytes": "infinigen.runtime.sizing",
+    "host_pool_size": "infinigen.runtime.sizing",
 }
 
 
@@ -90,7 +90,7 @@ __all__ = [
     "cache_argument",
     "cache_for",
     "decode",
-    "host_pool_bytes",
+    "host_pool_size",
     "load",
     "reserve_host_memory",
 ]

@@ -1,6 +1,6 @@
 """What a cache's CPU pools take, from the model's config and the runtime settings alone: which
 layers offload, how many tokens a limited pool holds, and the host memory a prompt's pools take
-(``host_pool_bytes``, what ``reserve_host_memory`` should pin before the weights are loaded, so that
+(``host_pool_size``, what ``reserve_host_memory`` should pin before the weights are loaded, so that
 the first prefill does not wait for its blocks: ``infinigen generate`` does this)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class PoolSize:
         return self.blocks * self.block_bytes
 
 
-def host_pool_bytes(model_config, batch: int, tokens: int, dtype: torch.dtype, ranks: int = 1, **settings) -> PoolSize:
+def host_pool_size(model_config, batch: int, tokens: int, dtype: torch.dtype, ranks: int = 1, **settings) -> PoolSize:
     """The pool blocks a cache with ``settings`` (``RuntimeConfig``'s fields) holds once ``batch`` rows
     of up to ``tokens`` tokens each (prompt and new tokens) are cached in ``dtype``, on one of
     ``ranks`` tensor-parallel ranks (None in ``settings``: the field's default). A limited pool
