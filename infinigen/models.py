@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,16 @@ def locate(name: str | None) -> tuple[str, dict, ModelSource]:
     )
 
 
+@contextmanager
+def _load_errors(source: ModelSource):
+    """A model that is not found locally / on the Hub / offline, or a malformed checkpoint: one line."""
+    try:
+        yield
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InfinigenError(f"could not load model {source.model_id!r}: {first_line}") from exc
+
+
 # called with the model's config, its tokenizer, the dtype and the device the weights will load in
 BeforeWeights = Callable[[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype, torch.device], None]
 
@@ -178,19 +189,17 @@ def load_model(
     target, kwargs, source = locate(name)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     ranks = world_size()
-    try:
+    with _load_errors(source):
         # the config alone first: an unsupported architecture, or one that cannot be sharded over the
         # ranks, fails before the weights load
         config = AutoConfig.from_pretrained(target, **kwargs)
         model_spec(config)
         sharding = loading_arguments(config, ranks) if ranks > 1 else {}
         tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
-        if before_weights is not None:
-            before_weights(config, tokenizer, torch_dtype, torch.device(device))
+    if before_weights is not None:  # its own errors are its own, not the loading's
+        before_weights(config, tokenizer, torch_dtype, torch.device(device))
+    with _load_errors(source):
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **kwargs, **sharding)
-    except (OSError, ValueError) as exc:  # not found locally / on the Hub / offline; a malformed checkpoint
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InfinigenError(f"could not load model {source.model_id!r}: {first_line}") from exc
     if not sharding:  # a sharded model is on its rank's device already (transformers binds LOCAL_RANK's)
         model.to(device)
     model.eval()

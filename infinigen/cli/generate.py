@@ -64,7 +64,7 @@ def generate(
         prefill would otherwise wait for its blocks (BENCHMARKS.md, "Prefill")."""
         longest = max(len(ids) for ids in tokenizer(_templated(prompts, tokenizer, chat))["input_ids"])
         tokens = longest + max_new_tokens
-        if tokens > model_config.max_position_embeddings:
+        if tokens > getattr(model_config, "max_position_embeddings", tokens):
             return  # refused once the model is loaded, with the reason
         size = host_pool_size(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(config))
         if size.blocks:  # the regions hold whole blocks: up to a block's slack each
