@@ -126,6 +126,9 @@ def test_host_pool_size_is_what_the_pools_take(tokenizer, device, arch, settings
     assert size.blocks == sum(len(pool.blocks) for pool in pools)
     assert size.nbytes == sum(pool.nbytes for pool in pools)
     assert (size.blocks > 0) == (settings.get("policy") != "dense")
+    if arch == "llama":  # a tensor-parallel rank holds its share of the KV heads (2 here: one each)
+        shared = host_pool_size(model.config, 2, 20 + 6, model.dtype, ranks=2, block_tokens=8, **settings)
+        assert shared.blocks == size.blocks and shared.block_bytes * 2 == size.block_bytes
 
 
 def test_a_later_cache_reuses_the_blocks_of_a_dropped_one(tokenizer, device):
