@@ -143,6 +143,8 @@ def test_resident_extra_attends_more_rows_for_no_more_bytes(tokenizer, device):
     plain, wider = cache_for(model, artifact, **settings), cache_for(model, artifact, resident_extra=1.0, **settings)
     greedy(model, inputs, plain, new_tokens=16), greedy(model, inputs, wider, new_tokens=16)
     assert wider.summary()["fraction_fetched"] > plain.summary()["fraction_fetched"]
+    for cache in (plain, wider):  # rows already on the GPU are attended, not moved
+        assert cache.summary()["fraction_moved"] < cache.summary()["fraction_fetched"]
     assert wider.summary()["bytes_host_to_device"] <= plain.summary()["bytes_host_to_device"] * 1.05
     expected = greedy(model, inputs, DynamicCache())
     exact = cache_for(model, artifact, resident_extra=1.0, reuse_rows="on", **EXACT)

@@ -16,6 +16,10 @@ def test_a_small_run_by_hand(device):
     assert stats.fetched_total() == (2 + 2 + 4 + 6) * 4
     mean, p95 = stats.fraction_mean_p95()
     assert mean == pytest.approx((0.2 + 0.35) / 2) and p95 == pytest.approx(0.2 + 0.95 * 0.15)
+    assert stats.moved_fraction_mean() == pytest.approx(mean)  # every attended row moved
+    stats.record(1, 10, batch=2, kv_heads=4, attended=3)  # row reuse: 3 attended, 1 of them moved
+    assert stats.moved_fraction_mean() == pytest.approx((0.2 + 0.35 + 0.1) / 3)
+    assert stats.fraction_mean_p95()[0] == pytest.approx((0.2 + 0.35 + 0.3) / 3)
 
 
 def former_summary(records: list[tuple], batch: int, kv_heads: int) -> tuple[int, float, float]:

@@ -52,7 +52,7 @@ def perplexity(
     so the decode evicts by ``settings["eviction"]``. ``recall`` adds the selection recall against
     the exact top-k, per offloaded layer and on average. ``on_step`` hears each decode step.
     """
-    nll, fractions, bytes_fractions, evicted = [], [], [], 0
+    nll, fractions, moved_fractions, bytes_fractions, evicted = [], [], [], [], 0
     probe = RecallProbe() if recall else None
     for start in range(0, ids.shape[0], batch):
         chunk = ids[start : start + batch].to(model.device)
@@ -63,6 +63,7 @@ def perplexity(
         nll.append(teacher_forced_nll(model, cache, chunk, prefix, on_step=on_step).cpu())
         summary = cache.summary()
         fractions.append(summary["fraction_fetched"])
+        moved_fractions.append(summary["fraction_moved"])
         bytes_fractions.append(summary["fraction_bytes"])
         evicted += summary["evicted_tokens"]
     nll = torch.cat(nll)  # (windows, decoded)
@@ -73,6 +74,7 @@ def perplexity(
         "evicted_tokens": evicted,
         "perplexity": round(math.exp(float(nll.mean())), 4),
         "fraction_fetched": round(sum(fractions) / len(fractions), 4),
+        "fraction_moved": round(sum(moved_fractions) / len(moved_fractions), 4),
         "fraction_bytes": round(sum(bytes_fractions) / len(bytes_fractions), 4),
         "tokens_scored": nll.numel(),
         "block_perplexity": [round(b, 3) for b in blocks],

@@ -26,6 +26,7 @@ class LayerStats:
     pending: list[tuple[Value, Value, Value, bool]] = field(default_factory=list)  # (moved, attended, cached, step)
     moved: torch.Tensor | None = None  # rows per head moved, summed over the reduced steps and batch rows (float64)
     fractions: list[torch.Tensor] = field(default_factory=list)  # per reduced chunk: (steps,) float64
+    moved_fractions: list[torch.Tensor] = field(default_factory=list)  # the same for the rows moved
 
     def record(
         self, moved: Value, cached: Value, batch: int, kv_heads: int, attended: Value | None = None, step: bool = True
@@ -55,13 +56,22 @@ class LayerStats:
             self.moved += total
         steps = [fetch for fetch in pending if fetch[3]]
         if steps:
-            attended, cached = (_per_step(values, self.batch, device) for values in list(zip(*steps, strict=True))[1:3])
+            moved, attended, cached = (
+                _per_step(values, self.batch, device) for values in list(zip(*steps, strict=True))[:3]
+            )
             # a bulk fetch also moves a padded row's padding slots: it still fetched all of the row's KV
             self.fractions.append((attended / cached.clamp(min=1)).clamp(max=1).mean(dim=1))
+            self.moved_fractions.append((moved / cached.clamp(min=1)).clamp(max=1).mean(dim=1))
 
     def fetched_total(self) -> int:
         self._reduce()
         return round(float(self.moved) * self.kv_heads) if self.moved is not None else 0
+
+    def moved_fraction_mean(self) -> float:
+        """The mean share of its cached tokens a decode step moved (below the share attended where
+        rows stay on the GPU between steps: row reuse)."""
+        self._reduce()
+        return float(torch.cat(self.moved_fractions).mean()) if self.moved_fractions else 0.0
 
     def fraction_mean_p95(self) -> tuple[float, float]:
         self._reduce()
@@ -100,8 +110,10 @@ def summarize(layers, row_bytes: int, wait_ms: float, pool_bytes: int) -> dict:
         written += layer.stats.written_rows
         evicted = max(evicted, layer.stats.evicted_tokens)  # the same in every offloaded layer
     means = [v["fraction_mean"] for v in per_layer.values()]
+    moved = [layer.stats.moved_fraction_mean() for layer in layers]
     return {
         "fraction_fetched": round(sum(means) / len(means), 4) if means else 0.0,
+        "fraction_moved": round(sum(moved) / len(moved), 4) if moved else 0.0,
         "per_layer": per_layer,
         "bytes_host_to_device": fetched * row_bytes,
         "bytes_device_to_host": written * row_bytes,
