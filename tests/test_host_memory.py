@@ -222,3 +222,13 @@ def test_a_reservation_that_could_not_be_made_leaves_blocks_of_their_own(tokeniz
     cache = cache_for(model, artifact, block_tokens=8, budget=0.5)
     prefill(model, cache, batch=2, tokens=20, device=device)
     assert all(len(layer.pool.blocks) == 3 for layer in cache.offloaded)
+
+
+def test_a_finaliser_run_while_its_thread_holds_the_lock_does_not_wait_for_itself(device):
+    """Garbage collection may run a dropped pool's finaliser (``retire``) on a thread inside a carve,
+    which holds the module's lock: the finaliser must get it (a plain lock would wait forever)."""
+    with host_memory._lock:
+        assert host_memory._lock.acquire(timeout=1), "a finaliser here would wait for its own thread"
+        host_memory._lock.release()
+        retire([torch.empty(8, dtype=torch.uint8)], torch.device(device))
+    flush_retired(device)

@@ -35,7 +35,9 @@ WORKERS = 4  # registration rate levels off beyond 4 threads (H100 host, 16 core
 _REGISTER_MAPPED_PORTABLE = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped: the kernels read it by address
 
 _executor: ThreadPoolExecutor | None = None
-_lock = threading.Lock()
+# reentrant: a pool's finaliser (``retire``) takes it, and garbage collection may run one on a thread
+# that holds it already (inside a carve, say), where a plain lock would wait for itself
+_lock = threading.RLock()
 # blocks of dropped pools, (device, block) in the order dropped: put here by finalisers, which may run
 # anywhere (inside a captured step too), and taken by the next ``HostBlocks.plan``
 _retired: list[tuple[torch.device, torch.Tensor]] = []
