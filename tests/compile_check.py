@@ -15,7 +15,8 @@ import pickle
 import subprocess
 import sys
 
-_launches: dict[tuple, tuple] = {}  # (module, kernel, signature, constexprs) of each distinct launch
+_launches: dict[tuple, tuple] = {}  # (module, kernel, signature, constexprs, options) of each distinct launch
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")  # compiler options, not kernel arguments
 
 
 def _record(fn, args: tuple, kwargs: dict) -> None:
@@ -23,6 +24,8 @@ def _record(fn, args: tuple, kwargs: dict) -> None:
 
     if fn.__module__ == "__main__":  # a kernel of the script's own cannot be imported again
         return
+    options = {name: kwargs[name] for name in LAUNCH_OPTIONS if name in kwargs}
+    kwargs = {name: value for name, value in kwargs.items() if name not in LAUNCH_OPTIONS}
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     signature, constexprs = {}, {}
@@ -32,7 +35,7 @@ def _record(fn, args: tuple, kwargs: dict) -> None:
             signature[param.name], constexprs[index] = "constexpr", value
         else:
             signature[param.name] = mangle_type(value)
-    launch = (fn.__module__, fn.__name__, signature, constexprs)
+    launch = (fn.__module__, fn.__name__, signature, constexprs, options)
     _launches.setdefault(repr(launch), launch)
 
 
@@ -61,10 +64,10 @@ def _compile(launches: list[tuple]) -> None:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", 90, 32)
-    for module, name, signature, constexprs in launches:
+    for module, name, signature, constexprs, options in launches:
         kernel = getattr(importlib.import_module(module), name)
         source = ASTSource(fn=kernel, signature=signature, constexprs={(i,): v for i, v in constexprs.items()})
-        triton.compile(source, target=target)
+        triton.compile(source, target=target, options=options)
 
 
 if __name__ == "__main__":

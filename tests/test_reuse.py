@@ -15,11 +15,11 @@ from transformers import DynamicCache
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_for, reuse
 from infinigen.runtime.config import RuntimeConfig, parse_value
-from infinigen.runtime.reuse import ResidentRows
+from infinigen.runtime.reuse import Placement, ResidentRows
 
 
-def resident_rows(batch=3, heads=4, positions=12, n_slots=40) -> ResidentRows:
-    resident = ResidentRows(batch, heads, 2, torch.float32, torch.device("cpu"))
+def resident_rows(batch=3, heads=4, positions=12, n_slots=40, device="cpu") -> ResidentRows:
+    resident = ResidentRows(batch, heads, 2, torch.float32, torch.device(device))
     resident.grow(positions, n_slots)
     return resident
 
@@ -155,49 +155,68 @@ def test_resident_extra_attends_more_rows_for_no_more_bytes(tokenizer, device):
         RuntimeConfig(resident_extra=-1)
 
 
+def kernel_matches_pytorch(device: str) -> Placement:
+    """The placement kernel on ``device`` (the interpreter's on the CPU) gives the PyTorch path's
+    placement exactly, over consecutive steps with growth between them, with and without keep_recent.
+    Returns the last placement."""
+    saved = reuse.BLOCK, reuse.AGE_CAP
+    reuse.BLOCK = 8  # several loop steps per pass
+    generator = torch.Generator().manual_seed(0)
+
+    def compare(kernel, reference, indices, selected, age=None):
+        on_device = indices.to(device), selected.to(device)
+        if age is None:
+            got = reuse._launch_place(kernel.slots, kernel.position_of, *on_device)
+            want = reuse._place(reference.slots, reference.position_of, indices, selected)
+        else:
+            got = reuse._launch_place(kernel.slots, kernel.position_of, *on_device, kernel.age)
+            want = reuse._place_recent(reference.slots, reference.position_of, reference.age, indices, selected)
+        got = Placement(*(t.cpu() for t in (got.missing, got.count, got.destination, got.attend)))
+        assert torch.equal(got.count, want.count) and torch.equal(got.attend, want.attend)
+        assert torch.equal(kernel.slots.cpu(), reference.slots) and torch.equal(kernel.age.cpu(), reference.age)
+        assert torch.equal(kernel.position_of.cpu(), reference.position_of)
+        for b in range(3):
+            for h in range(4):
+                n = int(want.count[b, h])
+                assert torch.equal(got.missing[b, h, :n], want.missing[b, h, :n]), (b, h)
+                assert torch.equal(got.destination[b, h, :n], want.destination[b, h, :n]), (b, h)
+        return want
+
+    try:
+        kernel, reference = (
+            resident_rows(positions=20, n_slots=40, device=device),
+            resident_rows(positions=20, n_slots=40),
+        )
+        for step in range(8):
+            if step == 4:  # growth between steps, as decoding does
+                for resident in (kernel, reference):
+                    resident.grow(28, 60)
+            compare(kernel, reference, *random_selection(generator, reference, k=kernel.slots.shape[-1] - step % 3))
+        # keep_recent, ages included; ages saturate at AGE_CAP
+        reuse.AGE_CAP = 3  # ties among the oldest rows within a few steps
+        kernel, reference = (
+            resident_rows(positions=30, n_slots=40, device=device),
+            resident_rows(positions=30, n_slots=40),
+        )
+        for step in range(12):
+            if step == 6:
+                for resident in (kernel, reference):
+                    resident.grow(36, 60)
+            indices, selected = random_selection(generator, reference, k=12 - step % 5)
+            last = compare(kernel, reference, indices, selected, age=True)
+        assert int(reference.age.max()) == 3, "ages saturate"
+        assert bool((reference.slots >= 0).sum(-1).gt(12).any()), "rows of earlier steps held"
+        return last
+    finally:
+        reuse.BLOCK, reuse.AGE_CAP = saved
+
+
 KERNEL = r"""
 import torch
-from infinigen.runtime import reuse
 from infinigen.runtime.pool import KVPool
 from infinigen.runtime.transfer import _launch_gather
-from test_reuse import random_selection, resident_rows
-reuse.BLOCK = 8  # several loop steps per pass
-generator = torch.Generator().manual_seed(0)
-kernel, reference = resident_rows(positions=20, n_slots=40), resident_rows(positions=20, n_slots=40)
-for step in range(8):
-    if step == 4:  # growth between steps, as decoding does
-        for resident in (kernel, reference):
-            resident.grow(28, 60)
-    indices, selected = random_selection(generator, reference, k=kernel.slots.shape[-1] - step % 3)
-    got = reuse._launch_place(kernel.slots, kernel.position_of, indices, selected)
-    want = reuse._place(reference.slots, reference.position_of, indices, selected)
-    assert torch.equal(got.count, want.count) and torch.equal(got.attend, want.attend), step
-    assert torch.equal(kernel.slots, reference.slots) and torch.equal(kernel.position_of, reference.position_of)
-    for b in range(3):
-        for h in range(4):
-            n = int(want.count[b, h])
-            assert torch.equal(got.missing[b, h, :n], want.missing[b, h, :n]), (step, b, h)
-            assert torch.equal(got.destination[b, h, :n], want.destination[b, h, :n]), (step, b, h)
-# keep_recent: the kernel's placement equals _place_recent's, ages included; ages saturate at AGE_CAP
-reuse.AGE_CAP = 3  # ties among the oldest rows within a few steps
-kernel, reference = resident_rows(positions=30, n_slots=40), resident_rows(positions=30, n_slots=40)
-for step in range(12):
-    if step == 6:
-        for resident in (kernel, reference):
-            resident.grow(36, 60)
-    indices, selected = random_selection(generator, reference, k=12 - step % 5)
-    got = reuse._launch_place(kernel.slots, kernel.position_of, indices, selected, kernel.age)
-    want = reuse._place_recent(reference.slots, reference.position_of, reference.age, indices, selected)
-    assert torch.equal(got.count, want.count) and torch.equal(got.attend, want.attend), step
-    assert torch.equal(kernel.slots, reference.slots) and torch.equal(kernel.age, reference.age), step
-    assert torch.equal(kernel.position_of, reference.position_of), step
-    for b in range(3):
-        for h in range(4):
-            n = int(want.count[b, h])
-            assert torch.equal(got.missing[b, h, :n], want.missing[b, h, :n]), (step, b, h)
-            assert torch.equal(got.destination[b, h, :n], want.destination[b, h, :n]), (step, b, h)
-assert int(reference.age.max()) == 3 and bool((reference.slots >= 0).sum(-1).gt(12).any()), "rows of earlier steps held"
-reuse.AGE_CAP = 255
+from test_reuse import kernel_matches_pytorch
+want = kernel_matches_pytorch("cpu")
 # the gather with a destination writes the moved rows there and nothing else
 pool = KVPool(3, 4, 2, torch.float32, torch.device("cpu"), block_tokens=16, gather_programs=4)
 rows = torch.randn(3, 4, 60, 2, 2)
@@ -222,6 +241,12 @@ print("ok")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernels")
 def test_placement_kernel_in_interpreter():
     run_in_interpreter(KERNEL)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_placement_kernel_on_cuda():
+    kernel_matches_pytorch("cuda")
 
 
 # --- auto's decision ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch pat
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
-BLOCK = 1024  # positions or selected slots per loop step of the placement kernel
+BLOCK: int | None = None  # positions or selected slots per loop step of the placement kernels (None: placement_tuning)
 FREE_SHARE = 0.5  # of the GPU's free memory at prefill, what auto reuse may take without a cap
 PAGE_SLACK = 16  # quest selects whole 16-token pages: up to 15 slots past the budget's share
 AGE_CAP = 255  # steps since a row was last selected, saturating: the kernel searches keys in 9 halvings
@@ -350,6 +350,16 @@ if triton is not None:
         tl.store(attend + positions, 0)
 
 
+def placement_tuning(positions: int) -> tuple[int, int]:
+    """(positions per loop step, warps) of the placement kernels for buffers of ``positions``: a program
+    per (batch row, head) walks its positions several times, so at batch 1 a few programs do all the
+    work, and wider steps with more warps keep more loads in flight (H200, one layer at 1 x 128K with
+    resident_extra 1: 300 -> 166 us; BENCHMARKS.md, "Row reuse")."""
+    if BLOCK is not None:
+        return BLOCK, 4
+    return (4096, 16) if positions >= 16384 else (2048, 8)
+
+
 def _launch_place(
     slots: torch.Tensor,
     position_of: torch.Tensor,
@@ -368,11 +378,12 @@ def _launch_place(
     kept = torch.empty(batch, heads, positions, dtype=torch.int8, device=device)  # scratch
     common = (indices.contiguous(), selected.contiguous().view(torch.int8), missing, count, destination)
     common += (attend.view(torch.int8), kept, k, positions, position_of.shape[-1])
+    block, warps = placement_tuning(positions)
     if age is None:
-        _place_kernel[(batch * heads,)](slots, position_of, *common, block=BLOCK)
+        _place_kernel[(batch * heads,)](slots, position_of, *common, block=block, num_warps=warps)
     else:
         halvings = (AGE_CAP + 1).bit_length()  # the keys -1 .. AGE_CAP + 1: the cut in [0, AGE_CAP + 1]
         _place_recent_kernel[(batch * heads,)](
-            slots, position_of, age, *common, block=BLOCK, age_cap=AGE_CAP, halvings=halvings
+            slots, position_of, age, *common, block=block, age_cap=AGE_CAP, halvings=halvings, num_warps=warps
         )
     return Placement(missing, count, destination, attend)
