@@ -60,6 +60,8 @@ def _rank_main(rank: int, port: int, out: str, worker, args: tuple) -> None:
     torch.set_num_threads(1)  # two ranks on a shared CPU
     try:
         torch.save(worker(rank, *args), os.path.join(out, f"{rank}.pt"))
+        if dist.is_initialized():  # no rank tears the group down while the other is still in a collective:
+            dist.barrier()  # seen as a gloo abort in rank 0 ("terminate called without an active exception")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
