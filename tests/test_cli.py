@@ -104,7 +104,9 @@ def test_main_job_default_model(tmp_path):
 @pytest.mark.parametrize(("arch", "offloaded"), [("llama", {"2"}), ("gemma3", {"3", "5"})])
 def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
     """Prepare a checkpoint folder, then decode a batch from it; on tiny Gemma 3 only the full-attention
-    layers are offloaded (the sliding-window ones keep their window on the device)."""
+    layers are offloaded (the sliding-window ones keep their window on the device). On the CPU auto
+    reuses rows only to attend rows of earlier steps; with the selection alone, reuse keeps the text
+    and moves fewer bytes."""
     folder, out = prepared(arch)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the house was old\nand the street was narrow and the walls were\n")
@@ -116,12 +118,21 @@ def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
     assert len(report["outputs"]) == 2 and report["stats"]["batch"] == 2
     assert report["stats"]["new_tokens"] == 6 and 0 < report["stats"]["fraction_fetched"] <= 1
     assert report["stats"]["bytes_host_to_device"] > 0 and set(report["stats"]["per_layer"]) == offloaded
-    assert report["stats"]["reuse_rows"] == "off (auto: CPU, no transfers to save)"
-    reusing = invoke(*args, "--reuse-rows", "on")  # rows kept on the GPU between steps: same text, fewer bytes
+    assert report["stats"]["reuse_rows"] == "on (auto: CPU, to attend rows of earlier steps as on a GPU)"
+    assert report["stats"]["resident_extra"] == 1.0
+    assert report["stats"]["fraction_attended"] > report["stats"]["fraction_fetched"]
+    selection_only = ("--resident-extra", "0")
+    plain = invoke(*args, *selection_only)  # nothing to attend besides the selection: auto leaves reuse off
+    assert plain.exit_code == 0, plain.output
+    plain_report = json.loads(plain.stdout)
+    assert plain_report["stats"]["reuse_rows"] == "off (auto: CPU, no transfers to save)"
+    assert plain_report["stats"]["fraction_attended"] == plain_report["stats"]["fraction_fetched"]
+    reusing = invoke(*args, "--reuse-rows", "on", *selection_only)  # rows kept between steps: same text, fewer bytes
     assert reusing.exit_code == 0, reusing.output
     again = json.loads(reusing.stdout)
-    assert again["outputs"] == report["outputs"] and again["stats"]["reuse_rows"] == "on (asked)"
-    assert again["stats"]["bytes_host_to_device"] < report["stats"]["bytes_host_to_device"]
+    assert again["outputs"] == plain_report["outputs"] and again["stats"]["reuse_rows"] == "on (asked)"
+    assert again["stats"]["resident_extra"] == 0.0
+    assert again["stats"]["bytes_host_to_device"] < plain_report["stats"]["bytes_host_to_device"]
 
 
 def test_generate_pins_its_pools_while_the_weights_load(prepared, monkeypatch):

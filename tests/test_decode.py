@@ -70,18 +70,22 @@ def test_decode_equals_generate_for_every_policy(tokenizer, policy, alpha, devic
 @pytest.mark.parametrize("policy", ["infinigen", "h2o"])
 def test_decode_with_row_reuse_matches_generate(tokenizer, policy, device):
     """Row reuse through the decoding loop (on CUDA: captured steps, across buffer growth every 16
-    tokens): the tokens of transformers' loop without reuse, the same rows attended, fewer moved."""
+    tokens), the selection alone attended (resident_extra 0): the tokens of transformers' loop without
+    reuse, the same rows selected and attended, fewer moved."""
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = prompts_batch(device, seed=5)
     settings = dict(policy=policy, budget=0.3, block_tokens=16, min_tokens=2)
     plain_cache, reuse_cache = (
         cache_for(model, artifact, **settings, reuse_rows="off"),  # on CUDA "auto" would reuse too
-        cache_for(model, artifact, **settings, reuse_rows="on"),
+        cache_for(model, artifact, **settings, reuse_rows="on", resident_extra=0.0),  # by default 1
     )
     expected = greedy(model, inputs, plain_cache, new_tokens=24)
     assert torch.equal(decoded(model, inputs, reuse_cache, new_tokens=24, do_sample=False), expected)
     plain, reusing = plain_cache.summary(), reuse_cache.summary()
-    assert reusing["fraction_fetched"] == pytest.approx(plain["fraction_fetched"], abs=1e-4)
+    assert reusing["resident_extra"] == 0.0
+    for name in ("fraction_fetched", "fraction_attended"):
+        assert reusing[name] == pytest.approx(plain[name], abs=1e-4)
+    assert reusing["fraction_moved"] < reusing["fraction_fetched"]
     assert 0 < reusing["bytes_host_to_device"] < plain["bytes_host_to_device"]
 
 

@@ -51,15 +51,25 @@ def test_limited_pool_evicts_during_evaluation(tokenizer):
 
 
 def test_selection_recall_is_one_for_the_oracle_and_below_for_speculation(tokenizer):
+    """The probe scores the step's selection against the exact top-k: the oracle's recall is 1, also
+    where row reuse holds its rows in other positions, and where rows of earlier steps are attended
+    beside the selection (the default resident_extra: they are not scored)."""
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     ids = torch.randint(3, 512, (2, 96), generator=torch.Generator().manual_seed(4))
-    oracle = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="oracle", budget=0.25)
+    scored = dict(batch=2, recall=True, resident_extra=0.0)
+    oracle = perplexity(model, artifact, ids, 48, **scored, policy="oracle", budget=0.25)
     assert oracle["recall"] == 1.0 and set(oracle["recall_per_layer"]) == {2}
-    blocks = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="oracle", budget=0.25, block_tokens=16)
+    assert oracle["resident_extra_applied"] == 0.0 and oracle["fraction_attended"] == oracle["fraction_fetched"]
+    blocks = perplexity(model, artifact, ids, 48, **scored, policy="oracle", budget=0.25, block_tokens=16)
     assert blocks["recall"] == 1.0  # the true scores are read block by block from the pool
-    speculated = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="quest", budget=0.25)
+    reused = perplexity(model, artifact, ids, 48, **scored, policy="oracle", budget=0.25, reuse_rows="on")
+    assert reused["recall"] == 1.0 and reused["fraction_moved"] < reused["fraction_fetched"]
+    wider = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="oracle", budget=0.25)
+    assert wider["resident_extra_applied"] == 1.0 and wider["fraction_attended"] > wider["fraction_fetched"]
+    assert wider["recall"] == 1.0
+    speculated = perplexity(model, artifact, ids, 48, **scored, policy="quest", budget=0.25)
     assert 0 < speculated["recall"] < 1
-    exact = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="infinigen", **EXACT)
+    exact = perplexity(model, artifact, ids, 48, **scored, policy="infinigen", **EXACT)
     assert exact["recall"] == 1.0
 
 

@@ -133,19 +133,23 @@ def test_recent_rows_stay_attended_until_new_ones_need_their_places():
 
 
 def test_resident_extra_attends_more_rows_for_no_more_bytes(tokenizer, device):
-    """With row reuse, rows of earlier steps kept on the GPU are attended beside the selection: the
-    same rows move, more are attended; at budget 1.0 the tokens stay dense's. (On CUDA the placement
-    runs inside the captured selections.)"""
+    """With row reuse, rows of earlier steps kept on the GPU (by default, room for the selection
+    again) are attended beside the selection: the same rows are selected and move, more are attended;
+    at budget 1.0 the tokens stay dense's. (On CUDA the placement runs inside the captured selections.)"""
     model, artifact = tiny_setup(tokenizer, "llama", device)
     generator = torch.Generator().manual_seed(0)
     inputs = padded_batch([torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 57)], 1, device)
     settings = dict(budget=0.2, reuse_rows="on", min_tokens=2)
-    plain, wider = cache_for(model, artifact, **settings), cache_for(model, artifact, resident_extra=1.0, **settings)
+    plain, wider = cache_for(model, artifact, resident_extra=0.0, **settings), cache_for(model, artifact, **settings)
     greedy(model, inputs, plain, new_tokens=16), greedy(model, inputs, wider, new_tokens=16)
-    assert wider.summary()["fraction_fetched"] > plain.summary()["fraction_fetched"]
-    for cache in (plain, wider):  # rows already on the GPU are attended, not moved
-        assert cache.summary()["fraction_moved"] < cache.summary()["fraction_fetched"]
-    assert wider.summary()["bytes_host_to_device"] <= plain.summary()["bytes_host_to_device"] * 1.05
+    plain_summary, wider_summary = plain.summary(), wider.summary()
+    assert (plain_summary["resident_extra"], wider_summary["resident_extra"]) == (0.0, 1.0)
+    assert plain_summary["fraction_attended"] == plain_summary["fraction_fetched"]
+    assert wider_summary["fraction_attended"] > 1.3 * wider_summary["fraction_fetched"]
+    assert wider_summary["fraction_fetched"] == pytest.approx(plain_summary["fraction_fetched"], rel=0.05)
+    for summary in (plain_summary, wider_summary):  # rows already on the GPU are attended, not moved
+        assert summary["fraction_moved"] < summary["fraction_fetched"]
+    assert wider_summary["bytes_host_to_device"] <= plain_summary["bytes_host_to_device"] * 1.05
     expected = greedy(model, inputs, DynamicCache())
     exact = cache_for(model, artifact, resident_extra=1.0, reuse_rows="on", **EXACT)
     assert torch.equal(greedy(model, inputs, exact), expected)
@@ -292,11 +296,17 @@ def decode(tokenizer, **settings):
     return greedy(model, inputs, cache, new_tokens=16), cache
 
 
-def test_auto_is_off_on_the_cpu_and_with_a_limited_pool(tokenizer):
+def test_auto_on_the_cpu_reuses_rows_only_to_attend_earlier_ones(tokenizer):
+    """On the CPU, auto keeps rows only for resident_extra (as a GPU would attend them), never with a
+    limited pool."""
     _, cache = decode(tokenizer, budget=0.3)
-    assert cache.summary()["reuse_rows"] == "off (auto: CPU, no transfers to save)"
+    assert cache.summary()["reuse_rows"] == "on (auto: CPU, to attend rows of earlier steps as on a GPU)"
+    assert cache.summary()["resident_extra"] == 1.0
+    _, plain = decode(tokenizer, budget=0.3, resident_extra=0.0)
+    assert plain.summary()["reuse_rows"] == "off (auto: CPU, no transfers to save)"
     _, limited = decode(tokenizer, budget=0.3, cpu_pool_gb=1.0)
     assert limited.summary()["reuse_rows"] == "off (auto: limited CPU pool)"
+    assert limited.summary()["resident_extra"] == 0.0
     with pytest.raises(InfinigenError, match="reuse_rows needs an unlimited CPU pool"):
         decode(tokenizer, budget=0.3, cpu_pool_gb=1.0, reuse_rows="on")
     model, _ = tiny_setup(tokenizer, "llama", "cpu")
@@ -304,20 +314,39 @@ def test_auto_is_off_on_the_cpu_and_with_a_limited_pool(tokenizer):
 
 
 def test_auto_follows_the_cap(tokenizer, monkeypatch):
-    """The same tokens whatever auto decides; fewer bytes where the resident rows fit the cap."""
+    """Without rows of earlier steps, the same tokens whatever auto decides; fewer bytes where the
+    resident rows fit the cap."""
     pretend_a_gpu(monkeypatch)
     plain_tokens, plain = decode(tokenizer, budget=0.3, reuse_rows="off")
     assert plain.summary()["reuse_rows"] == "off (asked)"
-    tokens, fits = decode(tokenizer, budget=0.3, reuse_gpu_gb=1.0)
+    tokens, fits = decode(tokenizer, budget=0.3, reuse_gpu_gb=1.0, resident_extra=0.0)
     summary = fits.summary()
     assert torch.equal(tokens, plain_tokens)
     assert summary["reuse_rows"].startswith("on (auto: 0.00 GB fits in the cap of 1 GB")
     assert 0 < summary["bytes_host_to_device"] < plain.summary()["bytes_host_to_device"]
-    tokens, small = decode(tokenizer, budget=0.3, reuse_gpu_gb=1e-9)
+    tokens, small = decode(tokenizer, budget=0.3, reuse_gpu_gb=1e-9)  # nor without them
     assert torch.equal(tokens, plain_tokens)
     assert small.summary()["reuse_rows"].startswith("off (auto: 0.00 GB exceeds the cap of 1e-09 GB")
     assert small.summary()["bytes_host_to_device"] == plain.summary()["bytes_host_to_device"]
     assert all(layer.resident is None for layer in small.offloaded)
+
+
+def test_auto_drops_the_rows_of_earlier_steps_before_reuse(tokenizer, monkeypatch):
+    """Where the selection's rows fit the cap but not the rows of earlier steps with them, auto
+    reuses rows without them: the tokens of resident_extra 0."""
+    pretend_a_gpu(monkeypatch)
+    lean_tokens, lean = decode(tokenizer, budget=0.3, reuse_rows="on", resident_extra=0.0)
+    full_tokens, _ = decode(tokenizer, budget=0.3, reuse_rows="on")
+    layer = lean.offloaded[0]
+    sizes = (*layer.valid.shape[:2], layer.head_dim, 4, layer.capacity, lean.layer_budgets, 8)
+    cap = reuse.resident_bytes(*sizes)  # the selection's rows at the last (largest) capacity
+    first = layer.capacity - 16  # at most 16 tokens were decoded since the first decision
+    assert reuse.resident_bytes(*sizes[:4], first, lean.layer_budgets, 8, 1.0) > cap  # with them: never fits
+    tokens, capped = decode(tokenizer, budget=0.3, reuse_gpu_gb=cap / 1e9)
+    summary = capped.summary()
+    assert summary["reuse_rows"].endswith("without rows of earlier steps)") and summary["resident_extra"] == 0.0
+    assert torch.equal(tokens, lean_tokens) and not torch.equal(tokens, full_tokens)
+    assert summary["bytes_host_to_device"] == lean.summary()["bytes_host_to_device"]
 
 
 def test_the_estimate_bounds_what_the_resident_rows_take(tokenizer, monkeypatch):

@@ -265,19 +265,24 @@ def test_bad_settings(tokenizer, settings, message):
 @pytest.mark.parametrize("policy", ["infinigen", "h2o", "quest", "oracle"])
 @pytest.mark.parametrize("arch", ["opt", "llama", "gemma3"])
 def test_row_reuse_attends_the_same_rows_and_moves_fewer(tokenizer, arch, policy, device):
-    """With row reuse a step moves only the rows its selection adds: the same tokens (the same rows
-    attended, in other positions), the same fraction attended, fewer bytes moved."""
+    """With row reuse and the selection alone attended (resident_extra 0), a step moves only the rows
+    its selection adds: the same tokens (the same rows attended, in other positions), the same
+    fractions selected and attended, fewer rows and bytes moved."""
     model, artifact = tiny_setup(tokenizer, arch, device)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 57)]
     inputs = padded_batch(prompts, pad=1, device=device)
     settings = dict(policy=policy, budget=0.3)
     plain = cache_for(model, artifact, **settings, reuse_rows="off")  # on CUDA "auto" would reuse too
-    reusing = cache_for(model, artifact, **settings, reuse_rows="on")
+    reusing = cache_for(model, artifact, **settings, reuse_rows="on", resident_extra=0.0)  # by default 1
     expected = greedy(model, inputs, plain, new_tokens=16)
     assert torch.equal(greedy(model, inputs, reusing, new_tokens=16), expected)
     before, after = plain.summary(), reusing.summary()
-    assert after["fraction_fetched"] == pytest.approx(before["fraction_fetched"], abs=1e-4)
+    assert (before["resident_extra"], after["resident_extra"]) == (0.0, 0.0)
+    for name in ("fraction_fetched", "fraction_attended"):
+        assert after[name] == pytest.approx(before[name], abs=1e-4)
+    assert after["fraction_attended"] == after["fraction_fetched"] == pytest.approx(before["fraction_moved"], abs=1e-4)
+    assert after["fraction_moved"] < after["fraction_fetched"]  # rows already on the GPU are attended, not moved
     assert 0 < after["bytes_host_to_device"] < before["bytes_host_to_device"]
 
 

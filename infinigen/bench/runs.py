@@ -274,6 +274,8 @@ def run_case(
             "reuse": stats["reuse_rows"],  # what reuse_rows (auto by default) did, and why
             "fraction_fetched": stats["fraction_fetched"],
             "fraction_moved": stats["fraction_moved"],
+            "fraction_attended": stats["fraction_attended"],
+            "resident_extra_applied": stats["resident_extra"],
             "fraction_bytes": stats["fraction_bytes"],
             "h2d_mb_per_step": round(per_step / 1e6, 3),
             "h2d_gb_s": round(per_step / step_s / 1e9, 1),

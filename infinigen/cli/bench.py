@@ -234,6 +234,7 @@ BENCH_COLUMNS = {
     "tok/s": "decode_tok_s",
     "reuse": "reuse_shown",
     "fetched": "fraction_fetched",
+    "attended": "fraction_attended",
     "H2D MB/step": "h2d_mb_per_step",
     "H2D GB/s": "h2d_gb_s",
     "% of pinned BW": "share_of_pinned",

@@ -113,6 +113,7 @@ def ppl(
     title = f"{report['model']}: {ids.shape[0]} x {window}-token windows of {text.name}, last {window - prefix} decoded"
     columns = {"policy": "policy", "budget": "budget", "kv bits": "kv_bits", "perplexity": "perplexity"}
     columns |= {"fraction fetched": "fraction_fetched", "fraction moved": "fraction_moved"}
+    columns |= {"fraction attended": "fraction_attended"}
     columns |= {"fraction of bytes": "fraction_bytes"}
     columns |= {"recall": "recall", "tokens scored": "tokens_scored"}
     print_rows(title, columns, rows)

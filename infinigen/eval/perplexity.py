@@ -52,7 +52,10 @@ def perplexity(
     so the decode evicts by ``settings["eviction"]``. ``recall`` adds the selection recall against
     the exact top-k, per offloaded layer and on average. ``on_step`` hears each decode step.
     """
-    nll, fractions, moved_fractions, bytes_fractions, evicted = [], [], [], [], 0
+    nll, evicted = [], 0
+    shares = ("fraction_fetched", "fraction_moved", "fraction_attended", "fraction_bytes")
+    fractions: dict[str, list[float]] = {name: [] for name in shares}  # each cache's (window batch's)
+    applied = None  # resident_extra as it applied (the last cache's)
     probe = RecallProbe() if recall else None
     for start in range(0, ids.shape[0], batch):
         chunk = ids[start : start + batch].to(model.device)
@@ -62,20 +65,19 @@ def perplexity(
         cache.diagnostics.decode_probe = probe
         nll.append(teacher_forced_nll(model, cache, chunk, prefix, on_step=on_step).cpu())
         summary = cache.summary()
-        fractions.append(summary["fraction_fetched"])
-        moved_fractions.append(summary["fraction_moved"])
-        bytes_fractions.append(summary["fraction_bytes"])
+        for name, values in fractions.items():
+            values.append(summary[name])
         evicted += summary["evicted_tokens"]
+        applied = summary["resident_extra"]
     nll = torch.cat(nll)  # (windows, decoded)
     blocks = [float(b.mean().exp()) for b in nll.split(block, dim=1)]
     return {
         **settings,
         "pool_fraction": pool_fraction,
         "evicted_tokens": evicted,
+        "resident_extra_applied": applied,
         "perplexity": round(math.exp(float(nll.mean())), 4),
-        "fraction_fetched": round(sum(fractions) / len(fractions), 4),
-        "fraction_moved": round(sum(moved_fractions) / len(moved_fractions), 4),
-        "fraction_bytes": round(sum(bytes_fractions) / len(bytes_fractions), 4),
+        **{name: round(sum(values) / len(values), 4) for name, values in fractions.items()},
         "tokens_scored": nll.numel(),
         "block_perplexity": [round(b, 3) for b in blocks],
     } | ({"recall": probe.mean(), "recall_per_layer": probe.per_layer()} if probe is not None else {})

@@ -3,7 +3,9 @@
 Attached to a cache as its ``diagnostics.decode_probe``; at each decode attention of an offloaded layer it
 scores every cached key with the layer's true query (the oracle's rule: a KV head's token scores
 by its query group's best logit) and counts the fetched tokens that are among the k best, k being
-the number the policy fetched for that head. Accuracy diagnostics only: it reads the whole pool.
+the number the policy fetched for that head. Fetched means the step's selection: rows of earlier
+steps attended beside it (``resident_extra``) are not scored. Accuracy diagnostics only: it reads
+the whole pool.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ class RecallProbe:
         fetched = layer.decoding
         batch, kv_heads = layer.valid.shape[:2]
         scores = true_scores(layer, query[:, :, 0], layer.used - 1)  # the slots the selection chose from
-        chosen = fetched.valid[:, :, :-1]  # (B, kv_heads, K): fetched and attended
+        # the step's selection among the positions attended (with row reuse these hold rows of earlier steps too)
+        selection, mask = layer.last_selection
+        picked = torch.zeros(batch, kv_heads, layer.capacity + 1, dtype=torch.bool, device=mask.device)
+        indices = layer.runtime.selected_slots(layer, selection)
+        picked.scatter_(-1, indices, mask[:, :, : indices.shape[-1]])
+        chosen = fetched.valid[:, :, :-1] & picked.gather(-1, fetched.indices)  # (B, kv_heads, K)
         k = chosen.sum(dim=-1)  # (B, kv_heads)
         k_max = int(k.max())
         if k_max == 0:

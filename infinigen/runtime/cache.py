@@ -127,9 +127,11 @@ class InfinigenCache(Cache):
         self.reuse_auto = False  # an auto decision still to make, or to check again as the pools grow
         self.reuse_room: tuple[int, str] | None = None  # what auto reuse may take (bytes, how chosen)
         self.reuse_capacity = 0  # the pool capacity of the latest auto decision
+        self.resident_extra = 0.0  # ``RuntimeConfig.resident_extra`` as it applies: 0 without row reuse
         if self.policy.budgeted:
             if config.reuse_rows != "auto":
                 self.reuse = reuse.Decision(config.reuse_rows == "on", "asked")
+                self.resident_extra = config.resident_extra_or_default if self.reuse.on else 0.0
             elif config.cpu_pool_gb is not None:  # an evicted slot would leave a stale resident row
                 self.reuse = reuse.Decision(False, "auto: limited CPU pool")
             else:
@@ -198,36 +200,37 @@ class InfinigenCache(Cache):
     # --- row reuse ---------------------------------------------------------------------------
 
     def measure_reuse_room(self) -> None:
-        """At the first prefill (never inside a captured step): the GPU memory auto reuse may take;
-        on the CPU, auto's decision (off)."""
+        """At the first prefill (never inside a captured step): the GPU memory auto reuse may take.
+        On the CPU no bytes are saved, so auto reuses rows only to attend rows of earlier steps (the
+        GPU's selection, the same rows attended)."""
         if self.reuse_auto and self.reuse_room is None:
             self.reuse_room = reuse.reuse_room(self.device, self.config.reuse_gpu_gb)
             if self.reuse_room is None:
-                self.reuse, self.reuse_auto = reuse.decide(0, None), False
+                self.resident_extra = self.config.resident_extra_or_default
+                self.reuse = reuse.decide(0, None, self.resident_extra)
+                self.reuse_auto = False
 
     def reuses(self, layer: OffloadedLayer) -> bool:
         """Whether ``layer``'s decode fetches keep rows on the GPU. Auto decides at the first decode
         fetch and again whenever a pool has grown, from host arithmetic alone (it may run while a step
-        is captured); where the rows no longer fit, every layer drops its resident rows and fetches
-        as without reuse from then on."""
+        is captured): with rows of earlier steps where they fit, else without them, else off. Where
+        the rows kept no longer fit, every layer drops them and goes on as decided."""
         if self.reuse_auto and layer.capacity > self.reuse_capacity:
             batch, kv_heads = layer.valid.shape[:2]
-            need = reuse.resident_bytes(
-                batch,
-                kv_heads,
-                layer.head_dim,
-                layer.dtype.itemsize,
-                layer.capacity,
-                self.layer_budgets,
-                self.config.min_tokens,
-                self.config.resident_extra,
-            )
-            decision = reuse.decide(need, self.reuse_room)
-            if self.reuse.on and not decision.on:
+            sizes = (layer.head_dim, layer.dtype.itemsize, layer.capacity, self.layer_budgets, self.config.min_tokens)
+            extra = self.config.resident_extra_or_default
+            decision = reuse.decide(reuse.resident_bytes(batch, kv_heads, *sizes, extra), self.reuse_room)
+            if not decision.on and extra:
+                lean = reuse.decide(reuse.resident_bytes(batch, kv_heads, *sizes), self.reuse_room)
+                if lean.on:
+                    decision, extra = reuse.Decision(True, f"{lean.reason}, without rows of earlier steps"), 0.0
+            extra = extra if decision.on else 0.0
+            if self.reuse.on and (not decision.on or extra < self.resident_extra):
                 for other in self.offloaded:
                     other.resident = None  # a step's rows in flight stay referenced by its ``Fetched``
-                decision = reuse.Decision(False, f"{decision.reason}, from {layer.capacity} tokens on")
+                decision = reuse.Decision(decision.on, f"{decision.reason}, from {layer.capacity} tokens on")
             self.reuse, self.reuse_auto, self.reuse_capacity = decision, decision.on, layer.capacity
+            self.resident_extra = extra
         return self.reuse is not None and self.reuse.on
 
     # --- transfers ---------------------------------------------------------------------------
@@ -296,9 +299,9 @@ class InfinigenCache(Cache):
         if layers:
             moved = torch.stack([layer.captured_moved for layer in layers])  # (layers, B), out of the graph
             for layer, rows in zip(layers, moved, strict=True):
-                attended = layer.captured_attended  # a graph's buffer (refilled by each replay) or an int
-                attended = attended.clone() if isinstance(attended, torch.Tensor) else attended
-                layer.stats.record(rows, cached, *layer.valid.shape[:2], attended=attended)
+                # each a graph's buffer (refilled by each replay), an int or None
+                selected, attended = (c.clone() if isinstance(c, torch.Tensor) else c for c in layer.captured_counts)
+                layer.stats.record(rows, cached, *layer.valid.shape[:2], selected=selected, attended=attended)
         if not captured:
             for layer in self.layers:
                 layer.advance()
@@ -306,7 +309,7 @@ class InfinigenCache(Cache):
     def fetch_mask(self, layer: OffloadedLayer, selection: Selection) -> torch.Tensor:
         """Which fetched rows attention may read: (B, kv_heads, K + 1) bool, the last for the current
         token (set when it arrives). Device work only: it runs inside captured selections."""
-        indices, count = self._indices(layer, selection), selection.count
+        indices, count = self.selected_slots(layer, selection), selection.count
         k = indices.shape[-1]
         valid = torch.empty(*indices.shape[:2], k + 1, dtype=torch.bool, device=self.device)
         selected = valid[:, :, :k]
@@ -317,7 +320,8 @@ class InfinigenCache(Cache):
             selected &= selection.valid
         return valid
 
-    def _indices(self, layer: OffloadedLayer, selection: Selection) -> torch.Tensor:
+    def selected_slots(self, layer: OffloadedLayer, selection: Selection) -> torch.Tensor:
+        """(B, kv_heads, K) the slots of ``selection`` (every used slot where it names none)."""
         if selection.indices is not None:
             return selection.indices
         batch, kv_heads = layer.valid.shape[:2]
@@ -328,7 +332,7 @@ class InfinigenCache(Cache):
     ) -> Fetched:
         """Start moving the selected rows of ``layer`` into a staging buffer; ``valid``: their
         ``fetch_mask`` (computed here when not given); ``step``: False for a multi-token step."""
-        indices, count = self._indices(layer, selection), selection.count
+        indices, count = self.selected_slots(layer, selection), selection.count
         if valid is None:
             valid = self.fetch_mask(layer, selection)
         if step and self.reuses(layer):  # a multi-token step's bulk fetch leaves the resident rows alone
@@ -350,24 +354,26 @@ class InfinigenCache(Cache):
         """``fetch`` with row reuse: the rows selected again stay where they are on the GPU, and only
         the rows the selection adds move, into the positions the dropped ones free (``reuse``; with
         ``resident_extra``, into free positions, then those of the least recently selected rows)."""
-        k, extra = indices.shape[-1], self.config.resident_extra
+        k, extra = indices.shape[-1], self.resident_extra
         resident = layer.resident_rows(reuse.resident_positions(k, extra))
         placement = resident.place(indices, valid[:, :, :k], keep_recent=extra > 0)
+        selected = count if count is not None else k
         # attended: the selection, and with ``resident_extra`` the rows of earlier steps held with it
-        attended = placement.attend.sum(dim=-1).double().mean(dim=1) if extra else count if count is not None else k
-        self._count(layer, placement.count.double().mean(dim=1), attended, step)
+        attended = placement.attend.sum(dim=-1).double().mean(dim=1) if extra else selected
+        self._count(layer, placement.count.double().mean(dim=1), selected, attended, step)
         slots = resident.slots.clamp(min=0)
         # the move starts after everything the compute stream reads from this stream (its ready event)
         ready = self._move(layer, placement.missing, placement.count, resident.rows, placement.destination)
         return Fetched(resident.rows, placement.attend, slots, ready)
 
-    def _count(self, layer: OffloadedLayer, moved, attended=None, step: bool = True) -> None:
-        """A fetch's statistics: rows per head moved (B,) or int, and attended where that differs
-        (row reuse); a captured step's are recorded after each replay (``replayed``)."""
+    def _count(self, layer: OffloadedLayer, moved, selected=None, attended=None, step: bool = True) -> None:
+        """A fetch's statistics: rows per head moved (B,) or int, and selected and attended where those
+        differ (row reuse); a captured step's are recorded after each replay (``replayed``)."""
         if self.capturing:
-            layer.captured_moved, layer.captured_attended = moved, attended
+            layer.captured_moved, layer.captured_counts = moved, (selected, attended)
         else:
-            layer.stats.record(moved, layer.cached_tokens(), *layer.valid.shape[:2], attended=attended, step=step)
+            cached = layer.cached_tokens()
+            layer.stats.record(moved, cached, *layer.valid.shape[:2], selected=selected, attended=attended, step=step)
 
     def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
@@ -469,5 +475,6 @@ class InfinigenCache(Cache):
             "allocation": allocation,
             "kv_bits": kv_bits if self.policy.offloads and self.policy.plain_rows else None,  # else n/a
             "reuse_rows": None if self.reuse is None else str(self.reuse),  # e.g. "on (auto: 0.40 GB fits in ...)"
+            "resident_extra": self.resident_extra if self.policy.budgeted else None,  # as it applied at the end
         }
         return head | summary | {"replayed_steps": self.replayed_steps}

@@ -22,6 +22,7 @@ PartialKeyBits = Literal[4, 8, 16]
 KVBits = Literal[16, 8]
 ReuseRows = Literal["auto", "on", "off"]
 Allocation = Literal["adaptive", "uniform"]
+DEFAULT_RESIDENT_EXTRA = 1.0  # RuntimeConfig.resident_extra where rows are reused and none is given
 
 
 def option(default: Any, help: str, *, applies_to: tuple[str, ...] = (), cli: bool = True) -> Any:
@@ -136,12 +137,17 @@ class RuntimeConfig:
         applies_to=("budgeted",),
     )
     # Consecutive steps select mostly the same rows, and those a step drops still carry attention: kept
-    # on the GPU, they are attended for no bytes moved (ACCURACY.md, "resident_extra").
-    resident_extra: float = option(
-        0.0,
-        "With row reuse: room on the GPU for this share of a layer's selection again, for rows that recent "
-        "steps selected; they are attended with the selection until new rows need their places (the least "
-        "recently selected go first). 0: the selection only.",
+    # on the GPU, they are attended for no bytes moved. 1 where rows are reused: at 10% it brought
+    # Qwen2.5-Coder-0.5B at 16K from +2.39% to +0.86% of dense perplexity and made the step faster
+    # (ACCURACY.md, "resident_extra"; BENCHMARKS.md, "Row reuse"). Off the GPU (the CPU, or auto reuse
+    # without room) the selection is attended alone.
+    resident_extra: float | None = option(
+        None,
+        "With row reuse: room on the GPU for this share of a layer's selection again (of its width: the budget's "
+        "share of the pool's capacity), for rows that recent steps selected; they are attended with the "
+        "selection until new rows need their places (the least "
+        f"recently selected go first). 0: the selection only. Default: {DEFAULT_RESIDENT_EXTRA:g} where rows "
+        "are reused (auto drops it first where memory is short).",
         applies_to=("budgeted",),
     )
     # Tuning of the CUDA row gather (``runtime.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".
@@ -183,12 +189,17 @@ class RuntimeConfig:
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
         if self.reuse_gpu_gb is not None and not (0 <= self.reuse_gpu_gb < math.inf):
             raise InfinigenError(f"reuse_gpu_gb must be >= 0 (None: half the free GPU memory), got {self.reuse_gpu_gb}")
-        if not 0 <= self.resident_extra <= 8:
+        if self.resident_extra is not None and not 0 <= self.resident_extra <= 8:
             raise InfinigenError(f"resident_extra must be in [0, 8], got {self.resident_extra}")
         if self.resident_extra and self.reuse_rows == "off":
             raise InfinigenError("resident_extra keeps rows of earlier steps: it needs row reuse (auto or on)")
         if self.reuse_rows == "on" and self.cpu_pool_gb is not None:
             raise InfinigenError("reuse_rows needs an unlimited CPU pool (an evicted slot would leave a stale row)")
+
+    @property
+    def resident_extra_or_default(self) -> float:
+        """``resident_extra`` where rows are reused: as given, else the default."""
+        return DEFAULT_RESIDENT_EXTRA if self.resident_extra is None else self.resident_extra
 
 
 _FIELD_TYPES = {

@@ -302,6 +302,8 @@ def run_stats(cache: InfinigenCache, timer: TokenTimer, batch: int, prompt_len: 
         "fraction_fetched": summary["fraction_fetched"],
         "fraction_fetched_p95": max((v["fraction_p95"] for v in summary["per_layer"].values()), default=0.0),
         "fraction_moved": summary["fraction_moved"],  # below fraction_fetched where rows stay on the GPU
+        "fraction_attended": summary["fraction_attended"],  # above it with rows of earlier steps (resident_extra)
+        "resident_extra": summary["resident_extra"],
         "bytes_host_to_device": summary["bytes_host_to_device"],
         "bytes_device_to_host": summary["bytes_device_to_host"],
         "prefetch_wait_ms": summary["prefetch_wait_ms"],  # eager steps only

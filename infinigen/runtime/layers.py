@@ -159,7 +159,8 @@ class OffloadedLayer(_Layer):
         self.last_selection: tuple[Selection, torch.Tensor] | None = None  # the latest step's, with its fetch mask
         self.padded = False  # some batch row has padding slots (marked invalid)
         self.captured_moved: torch.Tensor | None = None  # (B,) rows per head a captured step fetches
-        self.captured_attended: torch.Tensor | int | None = None  # rows per head it attends (row reuse)
+        # rows per head it selects and attends, where they differ from the moved ones (row reuse)
+        self.captured_counts: tuple[torch.Tensor | int | None, torch.Tensor | int | None] = (None, None)
         self.resident: ResidentRows | None = None  # with row reuse: the rows kept on the GPU
         self.stats = LayerStats()
 

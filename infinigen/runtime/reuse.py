@@ -80,7 +80,7 @@ def reuse_room(device: torch.device, cap_gb: float | None) -> tuple[int, str] | 
     """The bytes auto reuse may take on ``device`` and how they were chosen: ``cap_gb`` where given,
     at most ``FREE_SHARE`` of the free memory (the device's and the allocator's idle cache). None on
     the CPU: there the rows move within host memory, with no bus to spare, and keeping them costs a
-    placement per step and layer, so auto leaves reuse off."""
+    placement per step and layer, so auto reuses rows only for ``resident_extra`` (``decide``)."""
     if device.type != "cuda":
         return None
     free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -95,9 +95,12 @@ def room_from(free: int, cap_gb: float | None) -> tuple[int, str]:
     return int(cap_gb * 1e9), f"the cap of {cap_gb:g} GB"
 
 
-def decide(need: int, room: tuple[int, str] | None) -> Decision:
-    """Auto reuse at one capacity: on where the resident rows (``need`` bytes) fit in ``room``."""
+def decide(need: int, room: tuple[int, str] | None, extra: float = 0.0) -> Decision:
+    """Auto reuse at one capacity: on where the resident rows (``need`` bytes) fit in ``room``. On
+    the CPU (no room): on only to attend rows of earlier steps (``extra`` > 0)."""
     if room is None:
+        if extra:
+            return Decision(True, "auto: CPU, to attend rows of earlier steps as on a GPU")
         return Decision(False, "auto: CPU, no transfers to save")
     limit, described = room
     fits = need <= limit

@@ -1,10 +1,12 @@
 """Counters kept while decoding. GPU-side values stay on the GPU until ``summary`` (no per-step sync).
 
 A fetch's values wait in a short list (at most ``CHUNK`` steps: no device work per step); each full
-list is reduced on the device, in a few kernels, into a running total of the rows moved and one
-float64 per step, the share of its cached tokens the step attended. The summary reports that
-share's mean and its exact 95th percentile, which need every step's value: 8 bytes per step and
-layer, kept instead of a histogram so that the percentile stays exact.
+list is reduced on the device, in a few kernels, into a running total of the rows moved and, per
+step, the shares of its cached tokens the step selected (what the budget buys), moved over the bus
+and attended (with row reuse, fewer move than are selected, and rows of earlier steps may be
+attended besides). The summary reports their means and the selection's exact 95th percentile,
+which need every step's value: 8 bytes per step, layer and share, kept instead of a histogram so
+that the percentile stays exact.
 """
 
 from __future__ import annotations
@@ -23,21 +25,34 @@ class LayerStats:
     evicted_tokens: int = 0  # tokens (summed over batch rows) overwritten in this layer's full pool
     kv_heads: int = 0
     batch: int = 0
-    pending: list[tuple[Value, Value, Value, bool]] = field(default_factory=list)  # (moved, attended, cached, step)
-    moved: torch.Tensor | None = None  # rows per head moved, summed over the reduced steps and batch rows (float64)
-    fractions: list[torch.Tensor] = field(default_factory=list)  # per reduced chunk: (steps,) float64
+    # (moved, selected, attended, cached, step)
+    pending: list[tuple[Value, Value, Value, Value, bool]] = field(default_factory=list)
+    # rows per head moved, summed over each reduced chunk's fetches and batch rows (float64); the chunks'
+    # values stay where they were reduced (the CPU for a chunk of ints alone) until the summary reads them
+    moved: list[torch.Tensor] = field(default_factory=list)
+    fractions: list[torch.Tensor] = field(default_factory=list)  # per reduced chunk: (steps,) float64, selected
     moved_fractions: list[torch.Tensor] = field(default_factory=list)  # the same for the rows moved
+    attended_fractions: list[torch.Tensor] = field(default_factory=list)  # and for the rows attended
 
     def record(
-        self, moved: Value, cached: Value, batch: int, kv_heads: int, attended: Value | None = None, step: bool = True
+        self,
+        moved: Value,
+        cached: Value,
+        batch: int,
+        kv_heads: int,
+        selected: Value | None = None,
+        attended: Value | None = None,
+        step: bool = True,
     ) -> None:
         """One fetch: ``moved`` rows per (batch row, head) out of ``cached`` tokens per batch row, each
-        (B,) or one int for all rows; ``attended``: the rows the step attends, where some were already
-        on the GPU (row reuse; None: the moved ones). ``step``: False for a multi-token step's fetch
-        (a prefill chunk re-reads every cached row): its bytes count, but the fractions fetched are
-        those of decode steps. No host sync; device work once per CHUNK fetches."""
+        (B,) or one int for all rows; with row reuse, where some rows were already on the GPU,
+        ``selected``: the rows of the step's selection, ``attended``: those and any rows of earlier
+        steps attended with them (None: the moved ones, the selected ones). ``step``: False for a
+        multi-token step's fetch (a prefill chunk re-reads every cached row): its bytes count, but
+        the fractions are those of decode steps. No host sync; device work once per CHUNK fetches."""
         self.batch, self.kv_heads = batch, kv_heads
-        self.pending.append((moved, moved if attended is None else attended, cached, step))
+        selected = moved if selected is None else selected
+        self.pending.append((moved, selected, selected if attended is None else attended, cached, step))
         if len(self.pending) == CHUNK:
             self._reduce()
 
@@ -47,38 +62,50 @@ class LayerStats:
             return
         pending, self.pending = self.pending, []
         # every value on one device: a step's ints (e.g. a fixed count) beside another's (B,) tensors
-        tensors = (value for fetch in pending for value in fetch[:3] if isinstance(value, torch.Tensor))
-        device = next(tensors, torch.empty(0)).device
-        total = _per_step(tuple(fetch[0] for fetch in pending), self.batch, device).sum()
-        if self.moved is None:
-            self.moved = total
-        else:  # in place: no buffer is freed that another stream may still read
-            self.moved += total
-        steps = [fetch for fetch in pending if fetch[3]]
+        tensors = (value for fetch in pending for value in fetch[:4] if isinstance(value, torch.Tensor))
+        device = next(tensors, torch.empty(0)).device  # a chunk of ints alone: the CPU
+        self.moved.append(_per_step(tuple(fetch[0] for fetch in pending), self.batch, device).sum())
+        steps = [fetch for fetch in pending if fetch[4]]
         if steps:
-            moved, attended, cached = (
-                _per_step(values, self.batch, device) for values in list(zip(*steps, strict=True))[:3]
+            moved, selected, attended, cached = (
+                _per_step(values, self.batch, device) for values in list(zip(*steps, strict=True))[:4]
             )
+            cached = cached.clamp(min=1)
             # a bulk fetch also moves a padded row's padding slots: it still fetched all of the row's KV
-            self.fractions.append((attended / cached.clamp(min=1)).clamp(max=1).mean(dim=1))
-            self.moved_fractions.append((moved / cached.clamp(min=1)).clamp(max=1).mean(dim=1))
+            for rows, kept in (
+                (selected, self.fractions),
+                (moved, self.moved_fractions),
+                (attended, self.attended_fractions),
+            ):
+                kept.append((rows / cached).clamp(max=1).mean(dim=1))
 
     def fetched_total(self) -> int:
         self._reduce()
-        return round(float(self.moved) * self.kv_heads) if self.moved is not None else 0
+        return round(sum(float(total) for total in self.moved) * self.kv_heads)
 
     def moved_fraction_mean(self) -> float:
-        """The mean share of its cached tokens a decode step moved (below the share attended where
+        """The mean share of its cached tokens a decode step moved (below the share selected where
         rows stay on the GPU between steps: row reuse)."""
         self._reduce()
-        return float(torch.cat(self.moved_fractions).mean()) if self.moved_fractions else 0.0
+        return float(_joined(self.moved_fractions).mean()) if self.moved_fractions else 0.0
+
+    def attended_fraction_mean(self) -> float:
+        """The mean share of its cached tokens a decode step attended (above the share selected where
+        rows of earlier steps are kept: ``resident_extra``)."""
+        self._reduce()
+        return float(_joined(self.attended_fractions).mean()) if self.attended_fractions else 0.0
 
     def fraction_mean_p95(self) -> tuple[float, float]:
         self._reduce()
         if not self.fractions:
             return 0.0, 0.0
-        fractions = torch.cat(self.fractions).cpu()
+        fractions = _joined(self.fractions)
         return float(fractions.mean()), float(fractions.quantile(0.95))
+
+
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The reduced chunks' per-step values, on the CPU (a summary's read)."""
+    return torch.cat([chunk.cpu() for chunk in chunks])
 
 
 def _per_step(values: tuple[Value, ...], batch: int, device: torch.device) -> torch.Tensor:
@@ -111,9 +138,11 @@ def summarize(layers, row_bytes: int, wait_ms: float, pool_bytes: int) -> dict:
         evicted = max(evicted, layer.stats.evicted_tokens)  # the same in every offloaded layer
     means = [v["fraction_mean"] for v in per_layer.values()]
     moved = [layer.stats.moved_fraction_mean() for layer in layers]
+    attended = [layer.stats.attended_fraction_mean() for layer in layers]
     return {
         "fraction_fetched": round(sum(means) / len(means), 4) if means else 0.0,
         "fraction_moved": round(sum(moved) / len(moved), 4) if moved else 0.0,
+        "fraction_attended": round(sum(attended) / len(attended), 4) if attended else 0.0,
         "per_layer": per_layer,
         "bytes_host_to_device": fetched * row_bytes,
         "bytes_device_to_host": written * row_bytes,
