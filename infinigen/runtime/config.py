@@ -137,10 +137,10 @@ class RuntimeConfig:
         applies_to=("budgeted",),
     )
     # Consecutive steps select mostly the same rows, and those a step drops still carry attention: kept
-    # on the GPU, they are attended for no bytes moved. 1 where rows are reused: at 10% it brought
-    # Qwen2.5-Coder-0.5B at 16K from +2.39% to +0.86% of dense perplexity and made the step faster
-    # (ACCURACY.md, "resident_extra"; BENCHMARKS.md, "Row reuse"). Off the GPU (the CPU, or auto reuse
-    # without room) the selection is attended alone.
+    # on the GPU, they are attended for no bytes moved. 1 where rows are reused: at 10% it took SmolLM2
+    # at 8K from +1.50% to +0.53% of dense perplexity, Qwen2.5-Coder-0.5B at 16K from +5.19% to +2.28%,
+    # and made the step 12% faster (ACCURACY.md, "resident_extra"; BENCHMARKS.md, "Row reuse"). Where
+    # auto reuse finds no room for them, the selection is attended alone.
     resident_extra: float | None = option(
         None,
         "With row reuse: room on the GPU for this share of a layer's selection again (of its width: the budget's "

@@ -1,7 +1,7 @@
 """Counters kept while decoding. GPU-side values stay on the GPU until ``summary`` (no per-step sync).
 
 A fetch's values wait in a short list (at most ``CHUNK`` steps: no device work per step); each full
-list is reduced on the device, in a few kernels, into a running total of the rows moved and, per
+list is reduced on the device, in a few kernels, into its total of the rows moved and, per
 step, the shares of its cached tokens the step selected (what the budget buys), moved over the bus
 and attended (with row reuse, fewer move than are selected, and rows of earlier steps may be
 attended besides). The summary reports their means and the selection's exact 95th percentile,
