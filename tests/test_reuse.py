@@ -1,8 +1,9 @@
 """Row reuse's placement: kept rows stay in place, only new rows move, and the resident positions
 then hold exactly the selection. The Triton kernel (run by Triton's CPU interpreter here) must give
 the PyTorch path's placement exactly. And auto's decision: on where the resident rows fit the room
-(a cap, or half the free GPU memory), off on the CPU and with a limited pool, dropped cleanly when
-the pools outgrow the room."""
+(a cap, or half the free GPU memory), without the rows of earlier steps where only the selection's
+fit, on the CPU only for those rows, off with a limited pool, dropped cleanly when the pools outgrow
+the room."""
 
 from __future__ import annotations
 

@@ -121,13 +121,14 @@ class RuntimeConfig:
         applies_to=("offloads", "plain_rows"),
     )
     # auto: on where it pays and fits (runtime.reuse.decide): on a GPU, for budgeted policies with an
-    # unlimited pool, while the resident rows fit in reuse_gpu_gb or half the free GPU memory
+    # unlimited pool, while the resident rows fit in reuse_gpu_gb or half the free GPU memory; on the
+    # CPU only for resident_extra, so that CPU and GPU attend the same rows
     reuse_rows: ReuseRows = option(
         "auto",
         "Keep each layer's fetched rows on the GPU between steps and move only new ones: fewer bytes, for "
         "the budget's share of the KV in GPU memory (budgeted policies, unlimited pool). auto: on where those "
-        "rows fit (--reuse-gpu-gb, else half the GPU's free memory), off on the CPU and with a CPU pool "
-        "limit | on | off.",
+        "rows fit (--reuse-gpu-gb, else half the GPU's free memory), on the CPU only for --resident-extra, "
+        "off with a CPU pool limit | on | off.",
         applies_to=("budgeted",),
     )
     reuse_gpu_gb: float | None = option(
