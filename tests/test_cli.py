@@ -81,6 +81,7 @@ def test_prepare_llama_checkpoint_and_inspect(checkpoint, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "score energy in the kept channels" in result.output
+    assert result.output.count("skew per layer") == 1, "one progress bar per stage, not one per layer"
     manifest = json.loads(invoke("inspect", str(out), "--json").stdout)
     assert manifest["n_channels"] == 8 and manifest["calibration"]["sources"][0]["name"] == str(calibration)
     table = " ".join(invoke("inspect", str(out)).output.split())  # words only: long lines wrap

@@ -57,7 +57,8 @@ def prepare(
         stages: dict[str, int] = {}
 
         def report(stage: str, done: int, total: int) -> None:
-            stages.setdefault(stage, bar.add_task(stage, total=total))
+            if stage not in stages:  # one bar per stage, made at its first report
+                stages[stage] = bar.add_task(stage, total=total)
             bar.update(stages[stage], completed=done)
 
         artifact = prepare_artifact(
