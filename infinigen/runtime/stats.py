@@ -65,6 +65,8 @@ class LayerStats:
         tensors = (value for fetch in pending for value in fetch[:4] if isinstance(value, torch.Tensor))
         device = next(tensors, torch.empty(0)).device  # a chunk of ints alone: the CPU
         self.moved.append(_per_step(tuple(fetch[0] for fetch in pending), self.batch, device).sum())
+        # the decode steps' values again, by themselves (indexing the values above by a host list of
+        # steps would copy that list from pageable memory: a wait for the device)
         steps = [fetch for fetch in pending if fetch[4]]
         if steps:
             moved, selected, attended, cached = (
@@ -87,13 +89,13 @@ class LayerStats:
         """The mean share of its cached tokens a decode step moved (below the share selected where
         rows stay on the GPU between steps: row reuse)."""
         self._reduce()
-        return float(_joined(self.moved_fractions).mean()) if self.moved_fractions else 0.0
+        return _mean(self.moved_fractions)
 
     def attended_fraction_mean(self) -> float:
         """The mean share of its cached tokens a decode step attended (above the share selected where
         rows of earlier steps are kept: ``resident_extra``)."""
         self._reduce()
-        return float(_joined(self.attended_fractions).mean()) if self.attended_fractions else 0.0
+        return _mean(self.attended_fractions)
 
     def fraction_mean_p95(self) -> tuple[float, float]:
         self._reduce()
@@ -106,6 +108,10 @@ class LayerStats:
 def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
     """The reduced chunks' per-step values, on the CPU (a summary's read)."""
     return torch.cat([chunk.cpu() for chunk in chunks])
+
+
+def _mean(chunks: list[torch.Tensor]) -> float:
+    return float(_joined(chunks).mean()) if chunks else 0.0
 
 
 def _per_step(values: tuple[Value, ...], batch: int, device: torch.device) -> torch.Tensor:
