@@ -169,6 +169,62 @@ def _load_errors(source: ModelSource):
         raise InfinigenError(f"could not load model {source.model_id!r}: {first_line}") from exc
 
 
+def _gemma_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """Gemma's tokenizer from a GGUF file's vocabulary, built as transformers builds it since it
+    rewrote its GGUF tokenizers; earlier releases (5.17, the GPU machines') cut Gemma text into wrong
+    pieces ("prepared" into "pr ep ar ed", no <bos>), and Gemma-3-270m's PG-19 perplexity at 16K reads 49
+    instead of 13.7. llama.cpp stores no merges: they are derived from the vocabulary in its file order
+    (Gemma's scores do not follow its merge order), and tokens of several spaces, stored as spaces, are
+    spelled with "\u2581" as ``GemmaTokenizer`` looks them up. Control tokens (type 3) stay whole."""
+    from gguf import GGUFReader
+    from tokenizers import AddedToken
+    from transformers import GemmaTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+
+    fields = GGUFReader(path).fields
+    stored = fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(stored.parts[i]).decode("utf-8") for i in stored.data]
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    kinds = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
+
+    def special(key: str) -> str:
+        field = fields[f"tokenizer.ggml.{key}_token_id"]
+        return tokens[int(field.parts[field.data[0]][0])]
+
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = generate_merges(vocab, {token: -index for index, token in enumerate(tokens)})
+    tokenizer = GemmaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        bos_token=special("bos"),
+        eos_token=special("eos"),
+        unk_token=special("unknown"),
+        pad_token=special("padding"),
+        add_bos_token=True,  # as llama.cpp does for a sentencepiece vocabulary that does not say otherwise
+    )
+    control = [
+        AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, kinds, strict=True) if kind == 3
+    ]
+    tokenizer.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
+    if "tokenizer.chat_template" in fields:
+        template = fields["tokenizer.chat_template"]
+        tokenizer.chat_template = bytes(template.parts[template.data[0]]).decode("utf-8")
+    return tokenizer
+
+
+def _tokenizer(target: str, kwargs: dict, config: PretrainedConfig) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; a Gemma GGUF's built here where transformers predates its GGUF
+    tokenizer rewrite (``transformers.integrations.gguf``)."""
+    gguf = kwargs.get("gguf_file")
+    if (
+        gguf
+        and config.model_type.startswith("gemma")
+        and importlib.util.find_spec("transformers.integrations.gguf") is None
+    ):
+        return _gemma_gguf_tokenizer(Path(target) / gguf)
+    return AutoTokenizer.from_pretrained(target, **kwargs)
+
+
 # called with the model's config, its tokenizer, the dtype and the device the weights will load in
 BeforeWeights = Callable[[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype, torch.device], None]
 
@@ -195,7 +251,7 @@ def load_model(
         config = AutoConfig.from_pretrained(target, **kwargs)
         model_spec(config)
         sharding = loading_arguments(config, ranks) if ranks > 1 else {}
-        tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
+        tokenizer = _tokenizer(target, kwargs, config)
     if before_weights is not None:  # its own errors are its own, not the loading's
         before_weights(config, tokenizer, torch_dtype, torch.device(device))
     with _load_errors(source):

