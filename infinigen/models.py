@@ -170,10 +170,10 @@ def _load_errors(source: ModelSource):
 
 
 def _gemma_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """Gemma's tokenizer from a GGUF file's vocabulary, built as transformers builds it since it
-    rewrote its GGUF tokenizers; earlier releases (5.17, the GPU machines') cut Gemma text into wrong
-    pieces ("prepared" into "pr ep ar ed", no <bos>), and Gemma-3-270m's PG-19 perplexity at 16K reads 49
-    instead of 13.7. llama.cpp stores no merges: they are derived from the vocabulary in its file order
+    """Gemma's tokenizer from a GGUF file's vocabulary, as transformers 5.24 builds it; earlier releases
+    (5.17, the GPU machines') cut Gemma text into wrong pieces ("prepared" into "pr ep ar ed", no <bos>),
+    and Gemma-3-270m's PG-19 perplexity at 16K reads 49 instead of 13.7, so a Gemma GGUF's tokenizer is
+    always built here. llama.cpp stores no merges: they are derived from the vocabulary in its file order
     (Gemma's scores do not follow its merge order), and tokens of several spaces, stored as spaces, are
     spelled with "\u2581" as ``GemmaTokenizer`` looks them up. Control tokens (type 3) stay whole."""
     from gguf import GGUFReader
@@ -213,14 +213,9 @@ def _gemma_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 def _tokenizer(target: str, kwargs: dict, config: PretrainedConfig) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; a Gemma GGUF's built here where transformers predates its GGUF
-    tokenizer rewrite (``transformers.integrations.gguf``)."""
+    """The model's tokenizer; a Gemma GGUF's built here, the same on every transformers 5.x."""
     gguf = kwargs.get("gguf_file")
-    if (
-        gguf
-        and config.model_type.startswith("gemma")
-        and importlib.util.find_spec("transformers.integrations.gguf") is None
-    ):
+    if gguf and config.model_type.startswith("gemma"):
         return _gemma_gguf_tokenizer(Path(target) / gguf)
     return AutoTokenizer.from_pretrained(target, **kwargs)
 

