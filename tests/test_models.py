@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,8 +147,15 @@ def test_gemma_gguf_tokenizer_from_a_files_vocabulary(tmp_path):
 
     from infinigen.models import _gemma_gguf_tokenizer
 
-    path = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    def written(name: str, fill) -> Path:
+        writer = gguf.GGUFWriter(str(tmp_path / name), "gemma3")
+        fill(writer)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return tmp_path / name
+
     tokens = [
         "<pad>",
         "<eos>",
@@ -162,19 +170,19 @@ def test_gemma_gguf_tokenizer_from_a_files_vocabulary(tmp_path):
         "\u2581ab",
         "  ",
     ]
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3, 2, 3] + [1] * 7)  # 3: control, 2: unknown, 1: normal
-    writer.add_token_scores([0.0] * len(tokens))  # Gemma's scores do not order its merges
-    for add, token_id in ((writer.add_bos_token_id, 2), (writer.add_eos_token_id, 1), (writer.add_unk_token_id, 3)):
-        add(token_id)
-    writer.add_pad_token_id(0)
-    writer.add_chat_template("{{ bos_token }}{{ messages[0]['content'] }}")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
+    def vocabulary(writer) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3, 3, 3, 2, 3] + [1] * 7)  # 3: control, 2: unknown, 1: normal
+        writer.add_token_scores([0.0] * len(tokens))  # Gemma's scores do not order its merges
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_chat_template("{{ bos_token }}{{ messages[0]['content'] }}")
+
+    path = written("tiny.gguf", vocabulary)
     tokenizer = _gemma_gguf_tokenizer(path)
     assert tokenizer(" ab a").input_ids == [2, 10, 8]  # "\u2581ab" (listed before "\u2581a"'s use) then "\u2581a"
     assert tokenizer("a  b").input_ids == [2, 6, 11, 7]  # the stored "  " matched as "\u2581\u2581"
@@ -182,12 +190,7 @@ def test_gemma_gguf_tokenizer_from_a_files_vocabulary(tmp_path):
     assert tokenizer.decode(tokenizer("a  b").input_ids, skip_special_tokens=True) == "a  b"
     assert tokenizer.chat_template == "{{ bos_token }}{{ messages[0]['content'] }}"
 
-    bare = tmp_path / "bare.gguf"  # a GGUF without a vocabulary: a ValueError, which load_model makes one line
-    writer = gguf.GGUFWriter(str(bare), "gemma3")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    bare = written("bare.gguf", lambda writer: None)  # no vocabulary: a ValueError, one line through load_model
     with pytest.raises(ValueError, match="holds no tokenizer vocabulary"):
         _gemma_gguf_tokenizer(bare)
 
