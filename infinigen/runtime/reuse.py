@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 BLOCK: int | None = None  # positions or selected slots per loop step of the placement kernels (None: placement_tuning)
 FREE_SHARE = 0.5  # of the GPU's free memory at prefill, what auto reuse may take without a cap
 PAGE_SLACK = 16  # quest selects whole 16-token pages: up to 15 slots past the budget's share
-AGE_CAP = 255  # steps since a row was last selected, saturating: the kernel searches keys in 9 halvings
+AGE_CAP = 255  # steps since a row was last selected, saturating: the kernel counts keys in 512 bins
 
 
 @dataclass(frozen=True)
@@ -293,21 +293,12 @@ if triton is not None:
         return tl.where(keep, -1, tl.where(held, tl.load(age + p, mask=live, other=0), age_cap + 1))
 
     @triton.jit
-    def _count_at_least(slots, kept, age, least, positions, block: tl.constexpr, age_cap: tl.constexpr):
-        total = 0
-        for start in range(0, positions, block):
-            p = start + tl.arange(0, block)
-            key = _eviction_key(slots, kept, age, p, p < positions, age_cap)
-            total += tl.sum((key >= least).to(tl.int32), axis=0)
-        return total
-
-    @triton.jit
     def _place_recent_kernel(
         slots, position_of, age, indices, selected, missing, count, destination, attend, kept,
-        k, positions, capacity, block: tl.constexpr, age_cap: tl.constexpr, halvings: tl.constexpr,
+        k, positions, capacity, block: tl.constexpr, age_cap: tl.constexpr, key_bins: tl.constexpr,
     ):  # fmt: skip
-        """``_place_recent``: the new rows take the ``count`` places of largest key, found by halving
-        the key range (the key at the cut, then how many of its ties in position order), no sort."""
+        """``_place_recent``: the new rows take the ``count`` places of largest key, found from a
+        histogram of the keys (the key at the cut, then how many of its ties in position order), no sort."""
         bh = tl.program_id(0)
         slots, kept, position_of, destination, attend, missing = _own_rows(
             bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity
@@ -316,19 +307,24 @@ if triton is not None:
         n_moving = _mark_kept(
             slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
         )
-        for start in range(0, positions, block):  # a step older; the rows selected again, age 0
+        # a step older (the rows selected again: age 0), and how many places hold each key (bin key + 1;
+        # bin 0: the kept rows' -1 and the lanes past the end)
+        counts = tl.zeros([key_bins], dtype=tl.int32)
+        for start in range(0, positions, block):
             p = start + tl.arange(0, block)
             live = p < positions
-            older = tl.minimum(tl.load(age + p, mask=live, other=0) + 1, age_cap)
-            tl.store(age + p, tl.where(tl.load(kept + p, mask=live, other=0) != 0, 0, older), mask=live)
+            keep = tl.load(kept + p, mask=live, other=1) != 0
+            now_age = tl.where(keep, 0, tl.minimum(tl.load(age + p, mask=live, other=0) + 1, age_cap))
+            tl.store(age + p, now_age, mask=live)
+            held = tl.load(slots + p, mask=live, other=0) >= 0
+            counts += tl.histogram(tl.where(keep, -1, tl.where(held, now_age, age_cap + 1)) + 1, key_bins)
         tl.debug_barrier()
         # the cut: the largest key with at least n_moving places at or above it (the kept rows' -1 never)
-        low, high = 0, age_cap + 1
-        for _ in range(halvings):
-            middle = (low + high + 1) // 2
-            enough = _count_at_least(slots, kept, age, middle, positions, block, age_cap) >= n_moving
-            low, high = tl.where(enough, middle, low), tl.where(enough, high, middle - 1)
-        ties_taken = n_moving - _count_at_least(slots, kept, age, low + 1, positions, block, age_cap)
+        key_of = tl.arange(0, key_bins) - 1
+        at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # places with key >= key_of
+        cut = (key_of >= 0) & (key_of <= age_cap + 1) & (at_least >= n_moving)
+        low = tl.max(tl.where(cut, key_of, 0), axis=0)
+        ties_taken = n_moving - tl.sum(tl.where(key_of > low, counts, 0), axis=0)
         n_taken = 0
         n_ties = 0
         for start in range(0, positions, block):
@@ -385,8 +381,8 @@ def _launch_place(
     if age is None:
         _place_kernel[(batch * heads,)](slots, position_of, *common, block=block, num_warps=warps)
     else:
-        halvings = (AGE_CAP + 1).bit_length()  # the keys -1 .. AGE_CAP + 1: the cut in [0, AGE_CAP + 1]
+        key_bins = triton.next_power_of_2(AGE_CAP + 3)  # the keys -1 .. AGE_CAP + 1, shifted by one
         _place_recent_kernel[(batch * heads,)](
-            slots, position_of, age, *common, block=block, age_cap=AGE_CAP, halvings=halvings, num_warps=warps
+            slots, position_of, age, *common, block=block, age_cap=AGE_CAP, key_bins=key_bins, num_warps=warps
         )
     return Placement(missing, count, destination, attend)
