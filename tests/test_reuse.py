@@ -14,7 +14,7 @@ from helpers import EXACT, greedy, padded_batch, tiny_setup
 from transformers import DynamicCache
 
 from infinigen.errors import InfinigenError
-from infinigen.runtime import cache_for, reuse
+from infinigen.runtime import cache_for, placement, reuse
 from infinigen.runtime.config import RuntimeConfig, parse_value
 from infinigen.runtime.reuse import Placement, ResidentRows
 
@@ -164,8 +164,8 @@ def kernel_matches_pytorch(device: str) -> Placement:
     """The placement kernel on ``device`` (the interpreter's on the CPU) gives the PyTorch path's
     placement exactly, over consecutive steps with growth between them, with and without keep_recent.
     Returns the last placement."""
-    saved = reuse.BLOCK, reuse.AGE_CAP
-    reuse.BLOCK = 8  # several loop steps per pass
+    saved = placement.BLOCK, placement.SPLITS, reuse.AGE_CAP
+    placement.BLOCK = 8  # several loop steps per pass
     generator = torch.Generator().manual_seed(0)
 
     def compare(kernel, reference, indices, selected, age=None):
@@ -197,23 +197,25 @@ def kernel_matches_pytorch(device: str) -> Placement:
                 for resident in (kernel, reference):
                     resident.grow(28, 60)
             compare(kernel, reference, *random_selection(generator, reference, k=kernel.slots.shape[-1] - step % 3))
-        # keep_recent, ages included; ages saturate at AGE_CAP
+        # keep_recent, ages included; ages saturate at AGE_CAP; one program per (batch row, head), then
+        # three per pair (30 positions: shares of 10, two loop steps each, the last one partial)
         reuse.AGE_CAP = 3  # ties among the oldest rows within a few steps
-        kernel, reference = (
-            resident_rows(positions=30, n_slots=40, device=device),
-            resident_rows(positions=30, n_slots=40),
-        )
-        for step in range(12):
-            if step == 6:
-                for resident in (kernel, reference):
-                    resident.grow(36, 60)
-            indices, selected = random_selection(generator, reference, k=12 - step % 5)
-            last = compare(kernel, reference, indices, selected, age=True)
-        assert int(reference.age.max()) == 3, "ages saturate"
-        assert bool((reference.slots >= 0).sum(-1).gt(12).any()), "rows of earlier steps held"
+        for placement.SPLITS in (1, 3):
+            kernel, reference = (
+                resident_rows(positions=30, n_slots=40, device=device),
+                resident_rows(positions=30, n_slots=40),
+            )
+            for step in range(12):
+                if step == 6:
+                    for resident in (kernel, reference):
+                        resident.grow(36, 60)
+                indices, selected = random_selection(generator, reference, k=12 - step % 5)
+                last = compare(kernel, reference, indices, selected, age=True)
+            assert int(reference.age.max()) == 3, "ages saturate"
+            assert bool((reference.slots >= 0).sum(-1).gt(12).any()), "rows of earlier steps held"
         return last
     finally:
-        reuse.BLOCK, reuse.AGE_CAP = saved
+        placement.BLOCK, placement.SPLITS, reuse.AGE_CAP = saved
 
 
 KERNEL = r"""
@@ -242,7 +244,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(reuse.triton is None, reason="triton is not installed")
+@pytest.mark.skipif(placement.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernels")
 def test_placement_kernel_in_interpreter():
     run_in_interpreter(KERNEL)

@@ -3,12 +3,12 @@ and a step moves only the rows its selection adds (consecutive steps select most
 BENCHMARKS.md, "Row reuse"). ``ResidentRows.place`` keeps every row selected again where it is and
 gives the new rows the positions the dropped ones free, so nothing but the new rows moves.
 
-On CUDA the placement is one Triton kernel per layer (a program per (batch row, head)); elsewhere
-the same result comes from PyTorch indexing. Device work only, fixed shapes: it runs inside
-captured selections. With ``keep_recent`` (``RuntimeConfig.resident_extra``) the positions hold more
-than the selection: rows of earlier steps stay until new rows need their places, free places first,
-then those of the rows selected least recently (ages saturate at ``AGE_CAP`` steps; ties go in
-position order, so the kernel and PyTorch agree exactly).
+On CUDA the placement runs as Triton kernels (``placement``); elsewhere the same result comes from
+PyTorch indexing. Device work only, fixed shapes: it runs inside captured selections. With
+``keep_recent`` (``RuntimeConfig.resident_extra``) the positions hold more than the selection: rows
+of earlier steps stay until new rows need their places, free places first, then those of the rows
+selected least recently (ages saturate at ``AGE_CAP`` steps; ties go in position order, so the
+kernels and PyTorch agree exactly).
 
 Whether a cache reuses rows (``decide``, for ``reuse_rows="auto"``) is host arithmetic: what the
 resident buffers need at a pool capacity (``resident_bytes``) against the room measured once, at the
@@ -23,16 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from infinigen.runtime import placement
 from infinigen.runtime.buffers import grown_to
 from infinigen.runtime.policies.base import rows_bound
 
-try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch path.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
-
-BLOCK: int | None = None  # positions or selected slots per loop step of the placement kernels (None: placement_tuning)
 FREE_SHARE = 0.5  # of the GPU's free memory at prefill, what auto reuse may take without a cap
 PAGE_SLACK = 16  # quest selects whole 16-token pages: up to 15 slots past the budget's share
 AGE_CAP = 255  # steps since a row was last selected, saturating: the kernel counts keys in 512 bins
@@ -141,7 +135,7 @@ class ResidentRows:
         positions hold the selected slots once the missing rows have moved: exactly those, or with
         ``keep_recent`` also the rows of earlier steps that no new row needed the place of."""
         age = self.age if keep_recent else None
-        if triton is not None and indices.device.type == "cuda":
+        if placement.triton is not None and indices.device.type == "cuda":
             return _launch_place(self.slots, self.position_of, indices, selected, age)
         if keep_recent:
             return _place_recent(self.slots, self.position_of, self.age, indices, selected)
@@ -214,151 +208,6 @@ def _compacted(values: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return out.scatter_(-1, rank, values)[..., :n]
 
 
-if triton is not None:
-
-    @triton.jit
-    def _own_rows(bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity):
-        """The buffers' rows of (batch row, head) ``bh``."""
-        return (
-            slots + bh * positions,
-            kept + bh * positions,
-            position_of + bh * capacity,
-            destination + bh * k,
-            attend + bh * (positions + 1),
-            missing + bh * k,
-        )
-
-    @triton.jit
-    def _mark_kept(slots, position_of, indices, selected, missing, count, kept, k, positions, block: tl.constexpr):
-        """Both placements' first passes, one (batch row, head): ``kept`` marks the positions holding a
-        slot selected again; the selected slots not resident go to ``missing`` in order; their number."""
-        for start in range(0, positions, block):
-            p = start + tl.arange(0, block)
-            tl.store(kept + p, tl.zeros([block], dtype=tl.int8), mask=p < positions)
-        tl.debug_barrier()
-        n_moving = 0
-        for start in range(0, k, block):
-            j = start + tl.arange(0, block)
-            chosen = tl.load(selected + j, mask=j < k, other=0) != 0
-            slot = tl.load(indices + j, mask=chosen, other=0)
-            at = tl.load(position_of + slot, mask=chosen, other=-1)
-            tl.store(kept + at, tl.full([block], 1, dtype=tl.int8), mask=chosen & (at >= 0))
-            moving = chosen & (at < 0)
-            rank = n_moving + tl.cumsum(moving.to(tl.int32), axis=0) - 1
-            tl.store(missing + rank, slot, mask=moving)
-            n_moving += tl.sum(moving.to(tl.int32), axis=0)
-        tl.store(count, n_moving)
-        tl.debug_barrier()  # the stores above visible to the passes that follow
-        return n_moving
-
-    @triton.jit
-    def _place_kernel(
-        slots, position_of, indices, selected, missing, count, destination, attend, kept,
-        k, positions, capacity, block: tl.constexpr,
-    ):  # fmt: skip
-        """``_place``: one (batch row, head) per program, over its own rows only."""
-        bh = tl.program_id(0)
-        slots, kept, position_of, destination, attend, missing = _own_rows(
-            bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity
-        )
-        n_moving = _mark_kept(
-            slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
-        )
-        # the rows not kept leave; the moving ones take the free positions, in order
-        n_free = 0
-        for start in range(0, positions, block):
-            p = start + tl.arange(0, block)
-            live = p < positions
-            old = tl.load(slots + p, mask=live, other=-1)
-            keep = tl.load(kept + p, mask=live, other=0) != 0
-            tl.store(position_of + old, tl.full([block], -1, dtype=tl.int32), mask=live & (old >= 0) & ~keep)
-            free = live & ~keep
-            rank = n_free + tl.cumsum(free.to(tl.int32), axis=0) - 1
-            filled = free & (rank < n_moving)
-            new = tl.load(missing + rank, mask=filled, other=-1)
-            tl.store(destination + rank, p.to(tl.int32), mask=filled)
-            tl.store(position_of + new, p.to(tl.int32), mask=filled)
-            now = tl.where(keep, old, new)
-            tl.store(slots + p, now, mask=live)
-            tl.store(attend + p, (now >= 0).to(tl.int8), mask=live)
-            n_free += tl.sum(free.to(tl.int32), axis=0)
-        tl.store(attend + positions, 0)
-
-    @triton.jit
-    def _eviction_key(slots, kept, age, p, live, age_cap: tl.constexpr):
-        """Which places new rows take first: free ones (``age_cap`` + 1), then by age; kept rows and
-        lanes past the end -1 (never taken)."""
-        held = tl.load(slots + p, mask=live, other=0) >= 0
-        keep = tl.load(kept + p, mask=live, other=1) != 0
-        return tl.where(keep, -1, tl.where(held, tl.load(age + p, mask=live, other=0), age_cap + 1))
-
-    @triton.jit
-    def _place_recent_kernel(
-        slots, position_of, age, indices, selected, missing, count, destination, attend, kept,
-        k, positions, capacity, block: tl.constexpr, age_cap: tl.constexpr, key_bins: tl.constexpr,
-    ):  # fmt: skip
-        """``_place_recent``: the new rows take the ``count`` places of largest key, found from a
-        histogram of the keys (the key at the cut, then how many of its ties in position order), no sort."""
-        bh = tl.program_id(0)
-        slots, kept, position_of, destination, attend, missing = _own_rows(
-            bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity
-        )
-        age += bh * positions
-        n_moving = _mark_kept(
-            slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
-        )
-        # a step older (the rows selected again: age 0), and how many places hold each key (bin key + 1;
-        # bin 0: the kept rows' -1 and the lanes past the end)
-        counts = tl.zeros([key_bins], dtype=tl.int32)
-        for start in range(0, positions, block):
-            p = start + tl.arange(0, block)
-            live = p < positions
-            keep = tl.load(kept + p, mask=live, other=1) != 0
-            now_age = tl.where(keep, 0, tl.minimum(tl.load(age + p, mask=live, other=0) + 1, age_cap))
-            tl.store(age + p, now_age, mask=live)
-            held = tl.load(slots + p, mask=live, other=0) >= 0
-            counts += tl.histogram(tl.where(keep, -1, tl.where(held, now_age, age_cap + 1)) + 1, key_bins)
-        tl.debug_barrier()
-        # the cut: the largest key with at least n_moving places at or above it (the kept rows' -1 never)
-        key_of = tl.arange(0, key_bins) - 1
-        at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # places with key >= key_of
-        cut = (key_of >= 0) & (key_of <= age_cap + 1) & (at_least >= n_moving)
-        low = tl.max(tl.where(cut, key_of, 0), axis=0)
-        ties_taken = n_moving - tl.sum(tl.where(key_of > low, counts, 0), axis=0)
-        n_taken = 0
-        n_ties = 0
-        for start in range(0, positions, block):
-            p = start + tl.arange(0, block)
-            live = p < positions
-            key = _eviction_key(slots, kept, age, p, live, age_cap)
-            tie = key == low
-            tie_rank = n_ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-            take = live & ((key > low) | (tie & (tie_rank < ties_taken)))
-            rank = n_taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            old = tl.load(slots + p, mask=live, other=-1)
-            new = tl.load(missing + rank, mask=take, other=-1)
-            tl.store(position_of + old, tl.full([block], -1, dtype=tl.int32), mask=take & (old >= 0))
-            tl.store(position_of + new, p.to(tl.int32), mask=take)
-            tl.store(destination + rank, p.to(tl.int32), mask=take)
-            tl.store(age + p, tl.zeros([block], dtype=tl.int32), mask=take)
-            now = tl.where(take, new, old)
-            tl.store(slots + p, now, mask=live)
-            tl.store(attend + p, (now >= 0).to(tl.int8), mask=live)
-            n_taken += tl.sum(take.to(tl.int32), axis=0)
-            n_ties += tl.sum(tie.to(tl.int32), axis=0)
-        tl.store(attend + positions, 0)
-
-
-def placement_tuning(positions: int) -> tuple[int, int]:
-    """(positions per loop step, warps) of the placement kernels for buffers of ``positions``: a program
-    per (batch row, head) walks its positions several times, so at batch 1 a few programs do all the
-    work, and wider steps with more warps keep more loads in flight (H200, one layer at 1 x 128K with
-    resident_extra 1: 300 -> 166 us; BENCHMARKS.md, "Row reuse")."""
-    if BLOCK is not None:
-        return BLOCK, 4
-    return (4096, 16) if positions >= 16384 else (2048, 8)
-
-
 def _launch_place(
     slots: torch.Tensor,
     position_of: torch.Tensor,
@@ -366,23 +215,5 @@ def _launch_place(
     selected: torch.Tensor,
     age: torch.Tensor | None = None,
 ) -> Placement:
-    """``_place`` on CUDA, or with ``age`` given ``_place_recent``."""
-    batch, heads, positions = slots.shape
-    k = indices.shape[-1]
-    device = slots.device
-    missing = torch.empty(batch, heads, k, dtype=torch.int64, device=device)
-    count = torch.empty(batch, heads, dtype=torch.int32, device=device)
-    destination = torch.empty(batch, heads, k, dtype=torch.int32, device=device)
-    attend = torch.empty(batch, heads, positions + 1, dtype=torch.bool, device=device)
-    kept = torch.empty(batch, heads, positions, dtype=torch.int8, device=device)  # scratch
-    common = (indices.contiguous(), selected.contiguous().view(torch.int8), missing, count, destination)
-    common += (attend.view(torch.int8), kept, k, positions, position_of.shape[-1])
-    block, warps = placement_tuning(positions)
-    if age is None:
-        _place_kernel[(batch * heads,)](slots, position_of, *common, block=block, num_warps=warps)
-    else:
-        key_bins = triton.next_power_of_2(AGE_CAP + 3)  # the keys -1 .. AGE_CAP + 1, shifted by one
-        _place_recent_kernel[(batch * heads,)](
-            slots, position_of, age, *common, block=block, age_cap=AGE_CAP, key_bins=key_bins, num_warps=warps
-        )
-    return Placement(missing, count, destination, attend)
+    """``_place`` on CUDA, or with ``age`` given ``_place_recent``: the kernels of ``placement``."""
+    return Placement(*placement.launch(slots, position_of, indices, selected, age, AGE_CAP))
