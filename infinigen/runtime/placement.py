@@ -99,43 +99,43 @@ if triton is not None:
         return tl.where(keep, -1, tl.where(held, tl.load(age + p, mask=live, other=0), age_cap + 1))
 
     @triton.jit
-    def _place_recent_kernel(
-        slots, position_of, age, indices, selected, missing, count, destination, attend, kept,
-        k, positions, capacity, block: tl.constexpr, age_cap: tl.constexpr, key_bins: tl.constexpr,
-    ):  # fmt: skip
-        """``_place_recent``: the new rows take the ``count`` places of largest key, found from a
-        histogram of the keys (the key at the cut, then how many of its ties in position order), no sort."""
-        bh = tl.program_id(0)
-        slots, kept, position_of, destination, attend, missing = _own_rows(
-            bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity
-        )
-        age += bh * positions
-        n_moving = _mark_kept(
-            slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
-        )
-        # a step older (the rows selected again: age 0), and how many places hold each key (bin key + 1;
-        # bin 0: the kept rows' -1 and the lanes past the end)
+    def _age_and_count(
+        slots, kept, age, start, end, block: tl.constexpr, age_cap: tl.constexpr, key_bins: tl.constexpr
+    ):
+        """Positions [start, end) a step older (the rows selected again: age 0), and how many of them
+        hold each eviction key (bin key + 1; bin 0: the kept rows' -1 and the lanes past the end)."""
         counts = tl.zeros([key_bins], dtype=tl.int32)
-        for start in range(0, positions, block):
-            p = start + tl.arange(0, block)
-            live = p < positions
+        for first in range(start, end, block):
+            p = first + tl.arange(0, block)
+            live = p < end
             keep = tl.load(kept + p, mask=live, other=1) != 0
             now_age = tl.where(keep, 0, tl.minimum(tl.load(age + p, mask=live, other=0) + 1, age_cap))
             tl.store(age + p, now_age, mask=live)
             held = tl.load(slots + p, mask=live, other=0) >= 0
             counts += tl.histogram(tl.where(keep, -1, tl.where(held, now_age, age_cap + 1)) + 1, key_bins)
-        tl.debug_barrier()
-        # the cut: the largest key with at least n_moving places at or above it (the kept rows' -1 never)
+        return counts
+
+    @triton.jit
+    def _cut(counts, n_moving, age_cap: tl.constexpr, key_bins: tl.constexpr):
+        """The key at the cut, the largest with at least ``n_moving`` places at or above it (the kept
+        rows' -1 never), and how many places of that key the new rows take (the first, by position)."""
         key_of = tl.arange(0, key_bins) - 1
         at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # places with key >= key_of
-        cut = (key_of >= 0) & (key_of <= age_cap + 1) & (at_least >= n_moving)
-        low = tl.max(tl.where(cut, key_of, 0), axis=0)
-        ties_taken = n_moving - tl.sum(tl.where(key_of > low, counts, 0), axis=0)
-        n_taken = 0
-        n_ties = 0
-        for start in range(0, positions, block):
-            p = start + tl.arange(0, block)
-            live = p < positions
+        low = tl.max(tl.where((key_of >= 0) & (key_of <= age_cap + 1) & (at_least >= n_moving), key_of, 0), axis=0)
+        return low, n_moving - tl.sum(tl.where(key_of > low, counts, 0), axis=0)
+
+    @triton.jit
+    def _take_places(
+        slots, position_of, age, missing, destination, attend, kept, start, end, low, ties_taken, n_taken, n_ties,
+        block: tl.constexpr, age_cap: tl.constexpr,
+    ):  # fmt: skip
+        """Positions [start, end): the places of key above the cut, and of the cut's key the first
+        ``ties_taken`` overall, take the next moving rows (``n_taken`` and ``n_ties`` taken / seen before)."""
+        n_taken += tl.zeros([], dtype=tl.int32)  # a tensor before the loop, where 0 may be passed as a constant
+        n_ties += tl.zeros([], dtype=tl.int32)
+        for first in range(start, end, block):
+            p = first + tl.arange(0, block)
+            live = p < end
             key = _eviction_key(slots, kept, age, p, live, age_cap)
             tie = key == low
             tie_rank = n_ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
@@ -152,6 +152,29 @@ if triton is not None:
             tl.store(attend + p, (now >= 0).to(tl.int8), mask=live)
             n_taken += tl.sum(take.to(tl.int32), axis=0)
             n_ties += tl.sum(tie.to(tl.int32), axis=0)
+
+    @triton.jit
+    def _place_recent_kernel(
+        slots, position_of, age, indices, selected, missing, count, destination, attend, kept,
+        k, positions, capacity, block: tl.constexpr, age_cap: tl.constexpr, key_bins: tl.constexpr,
+    ):  # fmt: skip
+        """``_place_recent``: the new rows take the ``count`` places of largest key, found from a
+        histogram of the keys (the key at the cut, then how many of its ties in position order), no sort."""
+        bh = tl.program_id(0)
+        slots, kept, position_of, destination, attend, missing = _own_rows(
+            bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity
+        )
+        age += bh * positions
+        n_moving = _mark_kept(
+            slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
+        )
+        counts = _age_and_count(slots, kept, age, 0, positions, block, age_cap, key_bins)
+        tl.debug_barrier()
+        low, ties_taken = _cut(counts, n_moving, age_cap, key_bins)
+        _take_places(
+            slots, position_of, age, missing, destination, attend, kept, 0, positions, low, ties_taken, 0, 0,
+            block, age_cap,
+        )  # fmt: skip
         tl.store(attend + positions, 0)
 
     # --- the keep_recent placement over several programs per (batch row, head) ----------------------
@@ -208,16 +231,8 @@ if triton is not None:
             rank = n_moving + tl.cumsum(moves.to(tl.int32), axis=0) - 1
             tl.store(missing + bh * k + rank, slot, mask=moves)
             n_moving += tl.sum(moves.to(tl.int32), axis=0)
-        keys = tl.zeros([key_bins], dtype=tl.int32)
         start, end = _share(s, positions, share_p)
-        for first in range(start, end, block):
-            p = first + tl.arange(0, block)
-            live = p < end
-            keep = tl.load(kept + p, mask=live, other=1) != 0
-            now_age = tl.where(keep, 0, tl.minimum(tl.load(age + p, mask=live, other=0) + 1, age_cap))
-            tl.store(age + p, now_age, mask=live)
-            held = tl.load(slots + p, mask=live, other=0) >= 0
-            keys += tl.histogram(tl.where(keep, -1, tl.where(held, now_age, age_cap + 1)) + 1, key_bins)
+        keys = _age_and_count(slots, kept, age, start, end, block, age_cap, key_bins)
         tl.store(histograms + (bh * splits + s) * key_bins + tl.arange(0, key_bins), keys)
 
     @triton.jit
@@ -238,34 +253,16 @@ if triton is not None:
         at = (bh * splits + share[:, None]) * key_bins + tl.arange(0, key_bins)[None, :]
         per_share = tl.load(histograms + at, mask=(share < splits)[:, None], other=0)  # (splits_pow2, key_bins)
         counts = tl.sum(per_share, axis=0)
-        n_moving = tl.load(count + bh)
-        at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
-        low = tl.max(tl.where((key_of >= 0) & (key_of <= age_cap + 1) & (at_least >= n_moving), key_of, 0), axis=0)
-        ties_taken = n_moving - tl.sum(tl.where(key_of > low, counts, 0), axis=0)
+        low, ties_taken = _cut(counts, tl.load(count + bh), age_cap, key_bins)
         above = tl.sum(tl.where(key_of[None, :] > low, per_share, 0), axis=1)  # (splits_pow2,) per share
         ties = tl.sum(tl.where(key_of[None, :] == low, per_share, 0), axis=1)
         n_ties = tl.sum(tl.where(share < s, ties, 0), axis=0)
         n_taken = tl.sum(tl.where(share < s, above, 0), axis=0) + tl.minimum(n_ties, ties_taken)
         start, end = _share(s, positions, share_p)
-        for first in range(start, end, block):
-            p = first + tl.arange(0, block)
-            live = p < end
-            key = _eviction_key(slots, kept, age, p, live, age_cap)
-            tie = key == low
-            tie_rank = n_ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-            take = live & ((key > low) | (tie & (tie_rank < ties_taken)))
-            rank = n_taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            old = tl.load(slots + p, mask=live, other=-1)
-            new = tl.load(missing + rank, mask=take, other=-1)
-            tl.store(position_of + old, tl.full([block], -1, dtype=tl.int32), mask=take & (old >= 0))
-            tl.store(position_of + new, p.to(tl.int32), mask=take)
-            tl.store(destination + rank, p.to(tl.int32), mask=take)
-            tl.store(age + p, tl.zeros([block], dtype=tl.int32), mask=take)
-            now = tl.where(take, new, old)
-            tl.store(slots + p, now, mask=live)
-            tl.store(attend + p, (now >= 0).to(tl.int8), mask=live)
-            n_taken += tl.sum(take.to(tl.int32), axis=0)
-            n_ties += tl.sum(tie.to(tl.int32), axis=0)
+        _take_places(
+            slots, position_of, age, missing, destination, attend, kept, start, end, low, ties_taken, n_taken, n_ties,
+            block, age_cap,
+        )  # fmt: skip
         tl.store(attend + positions, 0, mask=s == 0)
 
 
