@@ -188,17 +188,20 @@ def kernel_matches_pytorch(device: str) -> Placement:
         return want
 
     try:
-        kernel, reference = (
-            resident_rows(positions=20, n_slots=40, device=device),
-            resident_rows(positions=20, n_slots=40),
-        )
-        for step in range(8):
-            if step == 4:  # growth between steps, as decoding does
-                for resident in (kernel, reference):
-                    resident.grow(28, 60)
-            compare(kernel, reference, *random_selection(generator, reference, k=kernel.slots.shape[-1] - step % 3))
-        # keep_recent, ages included; ages saturate at AGE_CAP; one program per (batch row, head), then
-        # three per pair (30 positions: shares of 10, two loop steps each, the last one partial)
+        # one program per (batch row, head), then three per pair (shares of 7 of the 20 positions)
+        for placement.SPLITS in (1, 3):
+            kernel, reference = (
+                resident_rows(positions=20, n_slots=40, device=device),
+                resident_rows(positions=20, n_slots=40),
+            )
+            for step in range(8):
+                if step == 4:  # growth between steps, as decoding does
+                    for resident in (kernel, reference):
+                        resident.grow(28, 60)
+                k = kernel.slots.shape[-1] - step % 3
+                compare(kernel, reference, *random_selection(generator, reference, k=k))
+        # keep_recent, ages included; ages saturate at AGE_CAP; again with one and three programs per pair
+        # (30 positions: shares of 10, two loop steps each, the last one partial)
         reuse.AGE_CAP = 3  # ties among the oldest rows within a few steps
         for placement.SPLITS in (1, 3):
             kernel, reference = (

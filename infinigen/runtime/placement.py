@@ -1,7 +1,7 @@
 """The placement of ``reuse.ResidentRows`` as Triton kernels, for CUDA (``reuse`` holds the same
 placement in PyTorch, the CPU path and the reference of the tests): one kernel per layer, a program per
-(batch row, head), or with ``keep_recent`` at small batches three kernels with several programs per
-(batch row, head) (``placement_splits``). Device work only, fixed shapes: it runs inside captured
+(batch row, head), or at small batches three kernels with several programs per (batch row, head)
+(``placement_splits``). Device work only, fixed shapes: it runs inside captured
 selections; the outputs are ``reuse.Placement``'s fields."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 BLOCK: int | None = None  # positions or selected slots per loop step (None: placement_tuning)
-SPLITS: int | None = None  # programs per (batch row, head) of the keep_recent placement (None: placement_splits)
+SPLITS: int | None = None  # programs per (batch row, head) (None: placement_splits)
 MAX_SPLITS = 16  # each program of the cut reads every share's histogram: splits x key bins values
 SPLIT_POSITIONS = 2048  # positions per program worth a share of their own
 BUSY_PROGRAMS = 128  # (batch row, head) pairs from which one program each already fills the GPU
@@ -58,23 +58,15 @@ if triton is not None:
         return n_moving
 
     @triton.jit
-    def _place_kernel(
-        slots, position_of, indices, selected, missing, count, destination, attend, kept,
-        k, positions, capacity, block: tl.constexpr,
-    ):  # fmt: skip
-        """``_place``: one (batch row, head) per program, over its own rows only."""
-        bh = tl.program_id(0)
-        slots, kept, position_of, destination, attend, missing = _own_rows(
-            bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity
-        )
-        n_moving = _mark_kept(
-            slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
-        )
-        # the rows not kept leave; the moving ones take the free positions, in order
-        n_free = 0
-        for start in range(0, positions, block):
-            p = start + tl.arange(0, block)
-            live = p < positions
+    def _fill_free(
+        slots, position_of, missing, destination, attend, kept, start, end, n_moving, n_free, block: tl.constexpr
+    ):
+        """Positions [start, end): the rows not kept leave, and the moving rows take the free positions in
+        order (``n_free`` free positions before ``start``)."""
+        n_free += tl.zeros([], dtype=tl.int32)  # a tensor before the loop, where 0 may be passed as a constant
+        for first in range(start, end, block):
+            p = first + tl.arange(0, block)
+            live = p < end
             old = tl.load(slots + p, mask=live, other=-1)
             keep = tl.load(kept + p, mask=live, other=0) != 0
             tl.store(position_of + old, tl.full([block], -1, dtype=tl.int32), mask=live & (old >= 0) & ~keep)
@@ -88,6 +80,21 @@ if triton is not None:
             tl.store(slots + p, now, mask=live)
             tl.store(attend + p, (now >= 0).to(tl.int8), mask=live)
             n_free += tl.sum(free.to(tl.int32), axis=0)
+
+    @triton.jit
+    def _place_kernel(
+        slots, position_of, indices, selected, missing, count, destination, attend, kept,
+        k, positions, capacity, block: tl.constexpr,
+    ):  # fmt: skip
+        """``_place``: one (batch row, head) per program, over its own rows only."""
+        bh = tl.program_id(0)
+        slots, kept, position_of, destination, attend, missing = _own_rows(
+            bh, slots, kept, position_of, destination, attend, missing, k, positions, capacity
+        )
+        n_moving = _mark_kept(
+            slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
+        )
+        _fill_free(slots, position_of, missing, destination, attend, kept, 0, positions, n_moving, 0, block)
         tl.store(attend + positions, 0)
 
     @triton.jit
@@ -177,12 +184,12 @@ if triton is not None:
         )  # fmt: skip
         tl.store(attend + positions, 0)
 
-    # --- the keep_recent placement over several programs per (batch row, head) ----------------------
+    # --- either placement over several programs per (batch row, head) ---------------------------------
     # At batch 1 a program per head leaves most of the GPU idle while each walks tens of thousands of
     # positions. Split, the same placement takes three launches, each over a program's share of the
     # selected slots and of the positions: marks and counts; ``missing`` (after the earlier shares'
-    # counts), ages and a histogram per share; the cut from the histograms, each share's first
-    # place taken from the earlier shares' counts above and at the cut.
+    # counts), and per share the free positions or (``recent``) ages and a key histogram; the places
+    # taken, each share's first rank from the earlier shares' counts (above and at the cut).
 
     @triton.jit
     def _share(s, n, share):
@@ -208,20 +215,22 @@ if triton is not None:
         tl.store(moving + bh * splits + s, n_moving)
 
     @triton.jit
-    def _split_age_kernel(
-        slots, position_of, age, indices, selected, missing, count, kept, moving, histograms,
+    def _split_count_kernel(
+        slots, position_of, age, indices, selected, missing, count, kept, moving, counts,
         k, positions, capacity, share_k, share_p, splits,
         block: tl.constexpr, splits_pow2: tl.constexpr, age_cap: tl.constexpr, key_bins: tl.constexpr,
+        recent: tl.constexpr,
     ):  # fmt: skip
-        """A share's slots not resident to ``missing``, in order; its positions a step older; the
-        histogram of their eviction keys (as ``_place_recent_kernel``'s)."""
+        """A share's slots not resident to ``missing``, in order; then how many of its positions are free
+        (not kept), or with ``recent`` the positions a step older and the histogram of their eviction
+        keys (as ``_place_recent_kernel``'s), to ``counts`` (``key_bins`` values per share)."""
         bh, s = tl.program_id(0), tl.program_id(1)
         position_of += bh * capacity
         slots, kept, age = slots + bh * positions, kept + bh * positions, age + bh * positions
         share = tl.arange(0, splits_pow2)
-        counts = tl.load(moving + bh * splits + share, mask=share < splits, other=0)
-        tl.store(count + bh, tl.sum(counts, axis=0), mask=s == 0)
-        n_moving = tl.sum(tl.where(share < s, counts, 0), axis=0)
+        per_share = tl.load(moving + bh * splits + share, mask=share < splits, other=0)
+        tl.store(count + bh, tl.sum(per_share, axis=0), mask=s == 0)
+        n_moving = tl.sum(tl.where(share < s, per_share, 0), axis=0)
         start, end = _share(s, k, share_k)
         for first in range(start, end, block):
             j = first + tl.arange(0, block)
@@ -232,37 +241,55 @@ if triton is not None:
             tl.store(missing + bh * k + rank, slot, mask=moves)
             n_moving += tl.sum(moves.to(tl.int32), axis=0)
         start, end = _share(s, positions, share_p)
-        keys = _age_and_count(slots, kept, age, start, end, block, age_cap, key_bins)
-        tl.store(histograms + (bh * splits + s) * key_bins + tl.arange(0, key_bins), keys)
+        counts += (bh * splits + s) * key_bins
+        if recent:
+            tl.store(
+                counts + tl.arange(0, key_bins), _age_and_count(slots, kept, age, start, end, block, age_cap, key_bins)
+            )
+        else:
+            n_free = 0
+            for first in range(start, end, block):
+                p = first + tl.arange(0, block)
+                live = p < end
+                n_free += tl.sum((live & (tl.load(kept + p, mask=live, other=1) == 0)).to(tl.int32), axis=0)
+            tl.store(counts, n_free)
 
     @triton.jit
-    def _split_take_kernel(
-        slots, position_of, age, missing, count, destination, attend, kept, histograms,
+    def _split_place_kernel(
+        slots, position_of, age, missing, count, destination, attend, kept, counts,
         k, positions, capacity, share_p, splits,
         block: tl.constexpr, splits_pow2: tl.constexpr, age_cap: tl.constexpr, key_bins: tl.constexpr,
+        recent: tl.constexpr,
     ):  # fmt: skip
-        """A share's places taken by new rows, the cut found from every share's histogram."""
+        """A share's places taken by the moving rows, from every share's ``counts``."""
         bh, s = tl.program_id(0), tl.program_id(1)
         slots, position_of, destination, attend, missing = (
             slots + bh * positions, position_of + bh * capacity, destination + bh * k,
             attend + bh * (positions + 1), missing + bh * k,
         )  # fmt: skip
-        kept, age = kept + bh * positions, age + bh * positions
+        kept = kept + bh * positions
         share = tl.arange(0, splits_pow2)
-        key_of = tl.arange(0, key_bins) - 1
-        at = (bh * splits + share[:, None]) * key_bins + tl.arange(0, key_bins)[None, :]
-        per_share = tl.load(histograms + at, mask=(share < splits)[:, None], other=0)  # (splits_pow2, key_bins)
-        counts = tl.sum(per_share, axis=0)
-        low, ties_taken = _cut(counts, tl.load(count + bh), age_cap, key_bins)
-        above = tl.sum(tl.where(key_of[None, :] > low, per_share, 0), axis=1)  # (splits_pow2,) per share
-        ties = tl.sum(tl.where(key_of[None, :] == low, per_share, 0), axis=1)
-        n_ties = tl.sum(tl.where(share < s, ties, 0), axis=0)
-        n_taken = tl.sum(tl.where(share < s, above, 0), axis=0) + tl.minimum(n_ties, ties_taken)
         start, end = _share(s, positions, share_p)
-        _take_places(
-            slots, position_of, age, missing, destination, attend, kept, start, end, low, ties_taken, n_taken, n_ties,
-            block, age_cap,
-        )  # fmt: skip
+        if recent:
+            age += bh * positions
+            key_of = tl.arange(0, key_bins) - 1
+            at = (bh * splits + share[:, None]) * key_bins + tl.arange(0, key_bins)[None, :]
+            per_share = tl.load(counts + at, mask=(share < splits)[:, None], other=0)  # (splits_pow2, key_bins)
+            low, ties_taken = _cut(tl.sum(per_share, axis=0), tl.load(count + bh), age_cap, key_bins)
+            above = tl.sum(tl.where(key_of[None, :] > low, per_share, 0), axis=1)  # (splits_pow2,) per share
+            ties = tl.sum(tl.where(key_of[None, :] == low, per_share, 0), axis=1)
+            n_ties = tl.sum(tl.where(share < s, ties, 0), axis=0)
+            n_taken = tl.sum(tl.where(share < s, above, 0), axis=0) + tl.minimum(n_ties, ties_taken)
+            _take_places(
+                slots, position_of, age, missing, destination, attend, kept, start, end, low, ties_taken,
+                n_taken, n_ties, block, age_cap,
+            )  # fmt: skip
+        else:
+            free = tl.load(counts + bh * splits + share, mask=share < s, other=0)
+            _fill_free(
+                slots, position_of, missing, destination, attend, kept, start, end, tl.load(count + bh),
+                tl.sum(free, axis=0), block,
+            )  # fmt: skip
         tl.store(attend + positions, 0, mask=s == 0)
 
 
@@ -276,8 +303,8 @@ def placement_tuning(positions: int) -> tuple[int, int]:
 
 
 def placement_splits(rows: int, positions: int) -> int:
-    """Programs per (batch row, head) for the keep_recent placement of ``rows`` (batch row, head)
-    pairs over ``positions``: several where few pairs would leave the GPU idle, each share at least
+    """Programs per (batch row, head) for the placement of ``rows`` (batch row, head) pairs over
+    ``positions``: several where few pairs would leave the GPU idle, each share at least
     ``SPLIT_POSITIONS`` long."""
     if SPLITS is not None:
         return SPLITS
@@ -304,7 +331,7 @@ def launch(
     attend = torch.empty(batch, heads, positions + 1, dtype=torch.bool, device=device)
     indices, selected = indices.contiguous(), selected.contiguous().view(torch.int8)
     capacity = position_of.shape[-1]
-    splits = 1 if age is None else placement_splits(batch * heads, positions)
+    splits = placement_splits(batch * heads, positions)
     if splits > 1:
         _launch_split(slots, position_of, age, indices, selected, missing, count, destination, attend, age_cap, splits)
         return missing, count, destination, attend
@@ -327,7 +354,7 @@ def _key_bins(age_cap: int) -> int:
 def _launch_split(
     slots: torch.Tensor,
     position_of: torch.Tensor,
-    age: torch.Tensor,
+    age: torch.Tensor | None,
     indices: torch.Tensor,
     selected: torch.Tensor,
     missing: torch.Tensor,
@@ -337,28 +364,30 @@ def _launch_split(
     age_cap: int,
     splits: int,
 ) -> None:
-    """The keep_recent placement in three launches of ``splits`` programs per (batch row, head), into
-    ``missing``, ``count``, ``destination`` and ``attend``."""
+    """Either placement (``age`` given: keep_recent) in three launches of ``splits`` programs per
+    (batch row, head), into ``missing``, ``count``, ``destination`` and ``attend``."""
     batch, heads, positions = slots.shape
     k = indices.shape[-1]
-    rows, key_bins = batch * heads, _key_bins(age_cap)
+    recent = age is not None
+    rows, key_bins = batch * heads, _key_bins(age_cap) if recent else 1
     kept = torch.zeros(batch, heads, positions, dtype=torch.int8, device=slots.device)  # scratch
     moving = torch.empty(rows, splits, dtype=torch.int32, device=slots.device)  # scratch: per share
-    histograms = torch.empty(rows, splits, key_bins, dtype=torch.int32, device=slots.device)  # scratch
+    counts = torch.empty(rows, splits, key_bins, dtype=torch.int32, device=slots.device)  # scratch: per share
     share_k, share_p = -(-k // splits), -(-positions // splits)
     block, warps = placement_tuning(share_p)
     shape = dict(block=block, num_warps=warps)
-    sizes = dict(splits_pow2=triton.next_power_of_2(splits), age_cap=age_cap, key_bins=key_bins)
+    sizes = dict(splits_pow2=triton.next_power_of_2(splits), age_cap=age_cap, key_bins=key_bins, recent=recent)
     grid = (rows, splits)
     capacity = position_of.shape[-1]
+    age = age if recent else slots  # not read without keep_recent
     _split_mark_kernel[grid](
         position_of, indices, selected, kept, moving, k, positions, capacity, share_k, splits, **shape
     )
-    _split_age_kernel[grid](
-        slots, position_of, age, indices, selected, missing, count, kept, moving, histograms,
+    _split_count_kernel[grid](
+        slots, position_of, age, indices, selected, missing, count, kept, moving, counts,
         k, positions, capacity, share_k, share_p, splits, **shape, **sizes,
     )  # fmt: skip
-    _split_take_kernel[grid](
-        slots, position_of, age, missing, count, destination, attend.view(torch.int8), kept, histograms,
+    _split_place_kernel[grid](
+        slots, position_of, age, missing, count, destination, attend.view(torch.int8), kept, counts,
         k, positions, capacity, share_p, splits, **shape, **sizes,
     )  # fmt: skip
