@@ -109,3 +109,9 @@ def test_radix_select_in_interpreter():
 def test_radix_select_on_cuda():
     check(top_slots, "cuda")
     check(with_tile_maxima(top_slots), "cuda")
+
+
+def test_budget_count_is_the_share_at_least_min_tokens_at_most_what_is_cached():
+    cached = torch.tensor([0, 3, 40, 5000, 5001])
+    assert module.budget_count(cached, 0.1, 8).tolist() == [0, 3, 8, 500, 501]
+    assert module.budget_count(cached, 1.0, 8).tolist() == cached.tolist()

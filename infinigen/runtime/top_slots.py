@@ -70,8 +70,15 @@ class CountRule:
             heads *= dist.get_world_size(self.group)
         whole, rest = above // heads, above % heads
         rounded = whole + ((2 * rest > heads) | ((2 * rest == heads) & (whole % 2 == 1))).long()
-        cap = (cached.float() * self.budget).ceil().clamp(min=self.min_tokens).minimum(cached.float())
-        return rounded.maximum(cached.clamp(max=self.min_tokens)).float().minimum(cap).to(torch.int32)
+        cap = budget_count(cached, self.budget, self.min_tokens)
+        return rounded.maximum(cached.clamp(max=self.min_tokens)).minimum(cap).to(torch.int32)
+
+
+def budget_count(cached: torch.Tensor, budget: float, min_tokens: int) -> torch.Tensor:
+    """The slots a budgeted selection keeps per batch row, on the device: the budget's share of the
+    ``cached`` tokens (B,), at least ``min_tokens``, at most ``cached`` (``rows_bound`` bounds it)."""
+    share = (cached.float() * budget).ceil().clamp(min=min_tokens)
+    return share.minimum(cached.float()).to(torch.int32)
 
 
 def first_ranks(ranked: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from infinigen.runtime.buffers import store_slots
 from infinigen.runtime.policies.base import LayerView, Policy, Selection, rows_bound
-from infinigen.runtime.top_slots import first_ranks
+from infinigen.runtime.top_slots import budget_count, first_ranks
 
 
 class H2OPolicy(Policy):
@@ -42,7 +42,7 @@ class H2OPolicy(Policy):
         valid = layer.valid[:, :, :n]
         if self.keep is None:  # the prompt is cached: fix the budget (at the first, uncaptured, decode step)
             cached = valid.sum(dim=-1).amax(dim=1)  # (B,)
-            self.keep = (cached * cfg.budget).ceil().clamp(min=cfg.min_tokens).minimum(cached).to(torch.int32)
+            self.keep = budget_count(cached, cfg.budget, cfg.min_tokens)
         k_max = rows_bound(cfg.budget, n, cfg.min_tokens)  # >= keep
         used = layer.device_used()  # (1,)
         recent = layer.all_slots(n) >= (used - self.keep // 2)[:, None, None]  # and unused: invalid

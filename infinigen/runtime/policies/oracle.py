@@ -4,15 +4,13 @@ copy of every key on the compute device to score them, so its speed and memory a
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from infinigen.runtime.buffers import store_slots
-from infinigen.runtime.policies.base import LayerView, Policy, Selection
+from infinigen.runtime.policies.base import LayerView, Policy, Selection, rows_bound
 from infinigen.runtime.scoring import group_scores
 from infinigen.runtime.speculation import exact_query
-from infinigen.runtime.top_slots import first_ranks
+from infinigen.runtime.top_slots import budget_count, first_ranks
 
 
 class OraclePolicy(Policy):
@@ -32,6 +30,6 @@ class OraclePolicy(Policy):
         query = exact_query(layer.attention, layer.spec, attention_input, rope)  # (B, heads, d)
         scores = group_scores(query, self.keys[:, :, :n], layer.valid[:, :, :n])
         cached = layer.valid[:, :, :n].sum(dim=-1).amax(dim=1)  # (B,)
-        count = (cached * self.config.budget).ceil().to(torch.int32)
-        k_max = min(n, math.ceil(self.config.budget * n))
+        count = budget_count(cached, self.config.budget, self.config.min_tokens)
+        k_max = rows_bound(self.config.budget, n, self.config.min_tokens)
         return Selection(indices=first_ranks(scores.topk(k_max, dim=-1).indices, count, n), count=count)
