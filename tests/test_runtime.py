@@ -252,6 +252,8 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"gather_programs": 0}, "gather_programs must be >= 1"),
         ({"reuse_rows": True, "policy": "int4"}, "reuse_rows keeps decoded rows: not for 'int4'"),
         ({"kv_bits": 4}, "kv_bits must be one of 16, 8"),
+        ({"allocation": "greedy"}, "allocation must be one of adaptive, uniform"),
+        ({"reuse_rows": "maybe"}, "reuse_rows must be one of auto, on, off"),
         ({"kv_bits": 8, "policy": "int2"}, "^kv_bits 8 is for policies that offload rows: 'int2' stores rows in its"),
         ({"kv_bits": 8, "policy": "dense"}, "^kv_bits 8 is for policies that offload rows: 'dense' keeps its KV on"),
     ],

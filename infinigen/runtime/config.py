@@ -7,6 +7,7 @@ module needs neither torch nor transformers.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import types
@@ -165,8 +166,14 @@ class RuntimeConfig:
         reuse = self.reuse_rows  # True / False and on / off spellings (yes, 1, ...) as before: on / off
         if isinstance(reuse, bool) or (isinstance(reuse, str) and reuse.lower() in _SWITCHES):
             object.__setattr__(self, "reuse_rows", "on" if _SWITCHES[str(reuse).lower()] else "off")
-        if self.policy not in get_args(PolicyName):
-            raise InfinigenError(f"unknown policy {self.policy!r}: choose one of {', '.join(get_args(PolicyName))}")
+        for f in fields(self):  # every Literal field, the policy first, from its annotation
+            _, optional, choices = field_type(f.name)
+            value = getattr(self, f.name)
+            if choices and value not in choices and not (optional and value is None):
+                shown = ", ".join(map(str, choices))
+                if f.name == "policy":
+                    raise InfinigenError(f"unknown policy {value!r}: choose one of {shown}")
+                raise InfinigenError(f"{f.name} must be one of {shown}, got {value!r}")
         if not 0 < self.budget <= 1:  # also refuses NaN
             raise InfinigenError(f"budget must be in (0, 1], got {self.budget}")
         if not self.alpha >= 0:
@@ -177,11 +184,6 @@ class RuntimeConfig:
             raise InfinigenError("sink_tokens and recent_tokens must be >= 0")
         if self.min_tokens < 1 or self.block_tokens < 1:
             raise InfinigenError("min_tokens and block_tokens must be >= 1")
-        for name in ("allocation", "eviction", "lookahead_from", "partial_key_bits", "kv_bits", "reuse_rows"):
-            choices = get_args(_FIELD_TYPES[name])
-            if getattr(self, name) not in choices:
-                shown = ", ".join(map(str, choices))
-                raise InfinigenError(f"{name} must be one of {shown}, got {getattr(self, name)!r}")
         if self.gather_programs is not None and self.gather_programs < 1:
             raise InfinigenError(f"gather_programs must be >= 1 (None: half the SMs), got {self.gather_programs}")
         if self.gather_rows is not None and (self.gather_rows < 1 or self.gather_rows & (self.gather_rows - 1)):
@@ -203,14 +205,6 @@ class RuntimeConfig:
         return DEFAULT_RESIDENT_EXTRA if self.resident_extra is None else self.resident_extra
 
 
-_FIELD_TYPES = {
-    "allocation": Allocation,
-    "eviction": Eviction,
-    "lookahead_from": LookaheadFrom,
-    "partial_key_bits": PartialKeyBits,
-    "kv_bits": KVBits,
-    "reuse_rows": ReuseRows,
-}
 RUNTIME_FIELDS = tuple(fields(RuntimeConfig))
 
 
@@ -245,6 +239,7 @@ def config_from(row: dict) -> RuntimeConfig:
 _SWITCHES = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
 
+@functools.cache
 def field_type(name: str) -> tuple[type, bool, tuple]:
     """A field's value type (str, int, float, bool), whether it may be None, and its choices (Literal)."""
     hint = get_type_hints(RuntimeConfig)[name]
