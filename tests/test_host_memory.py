@@ -232,3 +232,20 @@ def test_a_finaliser_run_while_its_thread_holds_the_lock_does_not_wait_for_itsel
         host_memory._lock.release()
         retire([torch.empty(8, dtype=torch.uint8)], torch.device(device))
     flush_retired(device)
+
+
+def test_a_reservation_of_the_pool_size_holds_every_block(tokenizer, monkeypatch, device):
+    """``reserve_host_memory(host_pool_size(...).reservation_bytes())``, as ``infinigen generate`` does
+    while the weights load, holds every block of the cache it was sized for: here 5 blocks of 2 pages
+    in 4 regions, where the bare ``nbytes`` (3 pages a region) would hold only 4."""
+    flush_retired(device)
+    monkeypatch.setattr(host_memory, "_reserved", host_memory.defaultdict(list))
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    size = host_pool_size(model.config, 2, 70 + 6, model.dtype, block_tokens=16, budget=0.5)
+    assert (size.blocks, size.block_bytes) == (5, 2 * host_memory.PAGE)
+    regions = [f.result() for f in host_memory.reserve_host_memory(size.reservation_bytes(), device)]
+    inputs = torch.randint(3, 512, (2, 70), generator=torch.Generator().manual_seed(1)).to(device)
+    cache = cache_for(model, artifact, block_tokens=16, budget=0.5)
+    model.generate(inputs, **{cache_argument(model): cache}, max_new_tokens=6, do_sample=False, pad_token_id=1)
+    blocks = [block for layer in cache.offloaded for block in layer.pool.blocks]
+    assert len(blocks) == size.blocks and all(within(block, regions) for block in blocks)

@@ -49,7 +49,6 @@ def generate(
     from infinigen.models import load_model
     from infinigen.runtime import RuntimeConfig, cache_for, host_pool_size, reserve_host_memory
     from infinigen.runtime.generation import Sampling, generate_text
-    from infinigen.runtime.host_memory import WORKERS
 
     prompts = _prompts(prompt, prompt_file, batch_file)
     config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
@@ -67,8 +66,8 @@ def generate(
         if tokens > getattr(model_config, "max_position_embeddings", tokens):
             return  # refused once the model is loaded, with the reason
         size = host_pool_size(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(config))
-        if size.blocks:  # the regions hold whole blocks: up to a block's slack each
-            reserve_host_memory(size.nbytes + WORKERS * size.block_bytes, on)
+        if size.blocks:
+            reserve_host_memory(size.reservation_bytes(), on)
 
     loaded = load_model(model, device=device, dtype=dtype, before_weights=start_pinning)
     checked = open_artifact(artifact, loaded.model) if artifact is not None else None

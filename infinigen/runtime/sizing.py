@@ -11,6 +11,7 @@ import torch
 
 from infinigen.architectures import model_spec, sliding_windows
 from infinigen.runtime.config import config_from
+from infinigen.runtime.host_memory import WORKERS
 from infinigen.runtime.policies import make_policy
 from infinigen.runtime.pool import row_bytes
 
@@ -45,6 +46,11 @@ class PoolSize:
     @property
     def nbytes(self) -> int:
         return self.blocks * self.block_bytes
+
+    def reservation_bytes(self, regions: int = WORKERS) -> int:
+        """What ``reserve_host_memory`` needs to hold these blocks in ``regions`` regions: each region
+        holds whole blocks, so up to a block's slack each."""
+        return self.nbytes + regions * self.block_bytes if self.blocks else 0
 
 
 def host_pool_size(model_config, batch: int, tokens: int, dtype: torch.dtype, ranks: int = 1, **settings) -> PoolSize:
