@@ -21,6 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from infinigen.runtime import decode_attention
 from infinigen.runtime.layers import OffloadedLayer
+from infinigen.runtime.triton_support import on_triton
 
 ATTENTION = "infinigen"
 # SDPA backends for every attention we run: cuDNN's builds a plan per new KV length (~1 ms of host
@@ -38,7 +39,7 @@ def grouped_decode_attention(query, keys, values, valid, scaling, need_probs: bo
     batch, heads, _, head_dim = query.shape
     kv_heads = keys.shape[1]
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
-    if not need_probs and decode_attention.available(query.device):  # split-KV kernel
+    if not need_probs and on_triton(query.device):  # split-KV kernel
         out = decode_attention.split_decode_attention(grouped, keys, values, valid, scaling)
         return out.reshape(batch, 1, heads, head_dim), None
     if not need_probs:  # one fused kernel

@@ -15,10 +15,7 @@ import functools
 
 import torch
 
-from infinigen.runtime.transfer import triton
-
-if triton is not None:
-    import triton.language as tl
+from infinigen.runtime.triton_support import tl, triton
 
 BLOCK_N = 64  # keys per loop step
 # Bytes of one key row per loop step at most: a step's key and value tiles sit in shared memory once
@@ -31,10 +28,6 @@ def keys_per_step(head_dim: int, dtype: torch.dtype) -> int:
     """BLOCK_N, or fewer keys per loop step for wide rows (a power of two, at least 16)."""
     row_bytes = triton.next_power_of_2(head_dim) * dtype.itemsize
     return max(16, min(BLOCK_N, ROW_BYTES_PER_STEP // row_bytes))
-
-
-def available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
 
 
 @functools.cache

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch path.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
+from infinigen.runtime.triton_support import tl, triton
 
 BLOCK: int | None = None  # positions or selected slots per loop step (None: placement_tuning)
 SPLITS: int | None = None  # programs per (batch row, head) (None: placement_splits)

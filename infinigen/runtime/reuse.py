@@ -26,6 +26,7 @@ import torch
 from infinigen.runtime import placement
 from infinigen.runtime.buffers import grown_to
 from infinigen.runtime.policies.base import rows_bound
+from infinigen.runtime.triton_support import on_triton
 
 FREE_SHARE = 0.5  # of the GPU's free memory at prefill, what auto reuse may take without a cap
 PAGE_SLACK = 16  # quest selects whole 16-token pages: up to 15 slots past the budget's share
@@ -135,7 +136,7 @@ class ResidentRows:
         positions hold the selected slots once the missing rows have moved: exactly those, or with
         ``keep_recent`` also the rows of earlier steps that no new row needed the place of."""
         age = self.age if keep_recent else None
-        if placement.triton is not None and indices.device.type == "cuda":
+        if on_triton(indices.device):
             return _launch_place(self.slots, self.position_of, indices, selected, age)
         if keep_recent:
             return _place_recent(self.slots, self.position_of, self.age, indices, selected)

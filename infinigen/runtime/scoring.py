@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from infinigen.runtime.transfer import triton
+from infinigen.runtime.triton_support import on_triton, tl, triton
 
 TOKENS_PER_PROGRAM = 128
 LEVELS = {8: 127, 4: 7}  # largest code magnitude per bit width
@@ -50,7 +50,6 @@ def code_values(codes: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def _quantized_scores_kernel(
@@ -174,10 +173,6 @@ def store_token_codes(
     )
 
 
-def fused_available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
-
-
 def fused_group_scores(
     queries: torch.Tensor,  # (B, heads, c)
     codes: torch.Tensor,  # (B, kv_heads, n, c or c / 2) from quantize_rows, a slice of a capacity-sized buffer
@@ -223,7 +218,7 @@ def group_scores(
     token by the best logit of its query group; -inf where ``valid`` is False. With ``key_scale``
     (B, kv_heads, n) the keys are the codes of ``quantize_rows`` (a positive scale per token commutes
     with the max over the group)."""
-    if key_scale is not None and fused_available(keys.device):
+    if key_scale is not None and on_triton(keys.device):
         return fused_group_scores(queries, keys, valid, key_scale)[0]
     if key_scale is not None:
         keys = code_values(keys)

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from infinigen.architectures import ModelSpec
 from infinigen.artifacts import Artifact
-from infinigen.runtime.transfer import triton
+from infinigen.runtime.triton_support import on_triton, tl, triton
 from infinigen.tensor_parallel import head_shard
 
 
@@ -98,7 +98,7 @@ class LayerSpeculator(nn.Module):
         if not self.spec.rope:
             return torch.einsum("bx,hrx->bhr", x, self.query_weight) + self.query_bias
         head_dim = self.spec.head_dim
-        if triton is not None and x.device.type == "cuda" and head_dim & (head_dim - 1) == 0:
+        if on_triton(x.device) and head_dim & (head_dim - 1) == 0:
             return rotated_partial_query(projected_query(self.attention, self.spec, x), rope, self.query_projection)
         q = rotated_query(self.attention, self.spec, x, rope)
         return torch.einsum("bhd,hdr->bhr", q, self.query_projection)
@@ -128,7 +128,6 @@ def rotated_partial_query(q: torch.Tensor, rope, projection: torch.Tensor) -> to
 
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def _rotated_partial_query_kernel(

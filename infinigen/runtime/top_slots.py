@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from infinigen.runtime.transfer import triton
+from infinigen.runtime.triton_support import on_triton, tl, triton
 
 CHUNK = 4096  # slots per program
 # The score of a slot a policy always fetches (sinks, a recent window): it ranks first, counts as
@@ -102,7 +102,7 @@ def top_slots(
     fetched: the gather stops at the count; count (B,) int32). Scores rank truncated to bfloat16;
     ties keep the lowest slots. ``tile_max`` (B * heads, tiles): maxima of consecutive tiles of each
     row (``scoring.fused_group_scores`` gives them), which the CUDA path reads instead of a reduction."""
-    if triton is not None and scores.device.type == "cuda" and rule.group is None:  # the kernels count per rank
+    if on_triton(scores.device) and rule.group is None:  # the kernels count per rank
         return _radix_top_slots(scores, rule, k_max, tile_max)
     count = rule.counts(scores)
     ranked = truncated(scores).sort(dim=-1, descending=True, stable=True).indices[..., :k_max]
@@ -110,7 +110,6 @@ def top_slots(
 
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit
     def _keys(scores, row, n, chunk_start, chunk: tl.constexpr):

@@ -16,19 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from infinigen.runtime import int8_rows
+from infinigen.runtime.triton_support import on_triton, tl, triton
 
 if TYPE_CHECKING:
     from infinigen.runtime.pool import KVPool
-
-try:  # Triton ships with CUDA builds of PyTorch; CPU builds run the PyTorch path.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
-
-
-def zero_copy_available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
 
 
 def gather_rows(
@@ -42,7 +33,7 @@ def gather_rows(
     (K and V of one token) is split into the K plane and the V plane of its head. ``count``: rows
     per batch row (B,) or per head (B, H); the rest are zeros. ``destination`` (B, H, K): row j goes
     to position destination[j] of out (B, H, 2, P, d) instead, and nothing past the count is written."""
-    if zero_copy_available(out.device):
+    if on_triton(out.device):
         _launch_gather(pool, indices, count, out, destination)
         return
     batch, heads, k = indices.shape
@@ -70,7 +61,7 @@ def gather_rows(
 def scatter_rows(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """pool[b, h, slots[b, h]] <- rows[b, h, 0] for rows (B, H, 1, 2, d): a decode step's row at each
     head's slot. (A prompt's runs of rows go as DMA copies: ``KVPool.write_range``.)"""
-    if zero_copy_available(rows.device):
+    if on_triton(rows.device):
         _launch_scatter(pool, slots, rows)
         return
     batch, heads = rows.shape[:2]

@@ -10,13 +10,13 @@ import torch
 from infinigen.runtime.buffers import grown_to, store_slots
 from infinigen.runtime.policies.base import LayerView, Policy, Selection, rows_bound
 from infinigen.runtime.scoring import (
-    fused_available,
     fused_group_scores,
     group_scores,
     quantize_rows,
     store_token_codes,
 )
 from infinigen.runtime.top_slots import FORCED, CountRule, top_slots
+from infinigen.runtime.triton_support import on_triton
 
 
 class InfinigenPolicy(Policy):
@@ -33,7 +33,7 @@ class InfinigenPolicy(Policy):
         self.partial_key_scale: torch.Tensor | None = None
 
     def stored(self, layer: LayerView, slots, keys) -> None:
-        if self.partial_key_scale is not None and not isinstance(slots, slice) and fused_available(keys.device):
+        if self.partial_key_scale is not None and not isinstance(slots, slice) and on_triton(keys.device):
             # a decode step's token: one kernel projects, quantizes and writes it at its slots (B, kv_heads)
             self.partial_key_cache = grown_to(self.partial_key_cache, layer.capacity, 2)
             self.partial_key_scale = grown_to(self.partial_key_scale, layer.capacity, 2)
@@ -90,7 +90,7 @@ def select_tokens(
     """Speculated scores -> (slots (B, kv_heads, k_max) ascending, count (B,) int32): per batch row
     the tokens within alpha of each head's best, averaged over its KV heads, capped by the budget
     share of the row's own cached tokens (``CountRule``); ``always`` slots rank first."""
-    if key_scale is not None and fused_available(partial_keys.device):
+    if key_scale is not None and on_triton(partial_keys.device):
         scores, tile_max = fused_group_scores(partial_query, partial_keys, valid, key_scale)
     else:
         scores, tile_max = group_scores(partial_query, partial_keys, valid, key_scale), None
