@@ -1,5 +1,5 @@
-"""InfiniGen's speculation: the partial query of layer i from layer i-1's attention input, scored
-against layer i's partial key cache.
+"""InfiniGen's speculation: the partial query of layer i from layer i-1's residual stream (the
+``attention_input`` of ``Policy.select``), scored against layer i's partial key cache.
 
 Partial keys: the artifact's kept channels of the skewed keys, ``k @ A[:, channels]`` per KV head
 (post-RoPE keys for the Llama family; OPT keys as they are). Partial queries:
@@ -94,7 +94,8 @@ class LayerSpeculator(nn.Module):
         return torch.matmul(keys, self.key_projection)  # broadcast over B: one batched GEMM
 
     def partial_query(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Attention input of the previous layer (B, hidden) -> (B, heads, r)."""
+        """The previous layer's residual under this layer's attention norm (B, hidden; ``Policy.select``'s
+        ``attention_input``) -> (B, heads, r)."""
         if not self.spec.rope:
             return torch.einsum("bx,hrx->bhr", x, self.query_weight) + self.query_bias
         head_dim = self.spec.head_dim

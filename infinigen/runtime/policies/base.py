@@ -139,8 +139,10 @@ class Policy:
     def select(
         self, layer: LayerView, attention_input: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> Selection:
-        """attention_input (B, hidden): with ``lookahead``, the residual stream entering the previous layer
-        under this layer's attention norm (an approximation); otherwise this layer's exact input.
+        """attention_input (B, hidden): with ``lookahead``, the previous layer's residual stream under
+        this layer's attention norm (an approximation): the stream entering the previous layer, or
+        after its attention (``lookahead_from="attention"`` and the first ``attention_lookahead_layers``
+        offloaded layers: ``hooks._reads_input``); otherwise this layer's exact input.
         By default: every cached slot."""
         return layer.every_slot()
 
