@@ -370,7 +370,7 @@ def test_quantized_kv_tracks_dense_and_moves_fewer_bytes(tokenizer, policy, agre
     assert float((teacher_forced_argmax(model, ids, 40, quantized) == dense).float().mean()) >= agreement
     moved, full_moved = quantized.summary()["bytes_host_to_device"], full_bytes.summary()["bytes_host_to_device"]
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    stored = quantized.policy.codec.stored_dim(head_dim, model.dtype)
+    stored = quantized.policy_type.codec.stored_dim(head_dim, model.dtype)
     assert moved == full_moved * stored // head_dim
 
 

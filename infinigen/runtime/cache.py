@@ -26,7 +26,7 @@ from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.hooks import attach
 from infinigen.runtime.host_memory import HostBlocks
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer
-from infinigen.runtime.policies import Selection, make_policy
+from infinigen.runtime.policies import Selection, make_policy, policy_class
 from infinigen.runtime.pool import row_bytes
 from infinigen.runtime.sizing import offloaded_layer_indices, pool_limit
 from infinigen.runtime.sliding import SlidingLayer
@@ -59,23 +59,23 @@ class InfinigenCache(Cache):
     def __init__(self, model: PreTrainedModel, config: RuntimeConfig, artifact: Artifact | None = None) -> None:
         self.spec = model_spec(model.config)
         self.config = config
-        self.policy = make_policy(config)
-        if self.policy.speculates and artifact is None:
+        self.policy_type = policy_class(config.policy)  # its flags; each offloaded layer holds an instance
+        if self.policy_type.speculates and artifact is None:
             raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
-        if config.reuse_rows == "on" and self.policy.codec is not None:
+        if config.reuse_rows == "on" and self.policy_type.codec is not None:
             raise InfinigenError(
                 f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed"
             )
-        if config.kv_bits != 16 and not (self.policy.offloads and self.policy.plain_rows):
-            where = "keeps its KV on the device" if not self.policy.offloads else "stores rows in its own codes"
+        if config.kv_bits != 16 and not (self.policy_type.offloads and self.policy_type.plain_rows):
+            where = "keeps its KV on the device" if not self.policy_type.offloads else "stores rows in its own codes"
             raise InfinigenError(
                 f"kv_bits {config.kv_bits} is for policies that offload rows: {config.policy!r} {where}"
             )
         if config.kv_bits == 8 and self.spec.head_dim % 4:  # the gather reads each row's scales as float32
             raise InfinigenError(f"kv_bits 8 needs a head_dim that is a multiple of 4, not {self.spec.head_dim}")
-        self.offloaded_indices = offloaded_layer_indices(model.config, config.dense_layers, self.policy.offloads)
+        self.offloaded_indices = offloaded_layer_indices(model.config, config.dense_layers, self.policy_type.offloads)
         self.n_offloaded = len(self.offloaded_indices)
-        if self.policy.speculates and 0 in self.offloaded_indices:
+        if self.policy_type.speculates and 0 in self.offloaded_indices:
             raise InfinigenError("speculation needs the previous layer: dense_layers must be at least 1")
         blocks = decoder_layers(model)
         # under tensor parallelism, the heads this rank computes (every head in one process); refuses
@@ -84,7 +84,7 @@ class InfinigenCache(Cache):
         # each offloaded layer runs with its own share of the budget (``allocation``), from the whole
         # artifact (every head's statistics) on every tensor-parallel rank: the shares one process gives
         self.layer_budgets, self.allocation = offloaded_budgets(
-            config.budget, config.allocation, artifact if self.policy.budgeted else None, self.offloaded_indices
+            config.budget, config.allocation, artifact if self.policy_type.budgeted else None, self.offloaded_indices
         )
         budgets = dict(zip(self.offloaded_indices, self.layer_budgets, strict=True))
         layers: list = []
@@ -95,7 +95,7 @@ class InfinigenCache(Cache):
                 layers.append(DenseLayer(runtime=self))
             else:
                 speculator = None
-                if self.policy.speculates:
+                if self.policy_type.speculates:
                     param = next(model.parameters())
                     speculator = LayerSpeculator(self.spec, artifact, i, blocks[i].self_attn, param.device, param.dtype)
                 layer_config = replace(config, budget=budgets[i])
@@ -128,7 +128,7 @@ class InfinigenCache(Cache):
         self.reuse_room: tuple[int, str] | None = None  # what auto reuse may take (bytes, how chosen)
         self.reuse_capacity = 0  # the pool capacity of the latest auto decision
         self.resident_extra = 0.0  # ``RuntimeConfig.resident_extra`` as it applies: 0 without row reuse
-        if self.policy.budgeted:
+        if self.policy_type.budgeted:
             if config.reuse_rows != "auto":
                 self.reuse = reuse.Decision(config.reuse_rows == "on", "asked")
                 self.resident_extra = config.resident_extra_or_default if self.reuse.on else 0.0
@@ -170,7 +170,7 @@ class InfinigenCache(Cache):
         will add, layer by layer: the offloaded layers' keys have layer 0's shape (a layer whose
         differ makes its own blocks when it reaches them)."""
         batch, kv_heads, new, head_dim = key_states.shape
-        rows = row_bytes(head_dim, key_states.dtype, self.policy.codec, self.config.kv_bits)
+        rows = row_bytes(head_dim, key_states.dtype, self.policy_type.codec, self.config.kv_bits)
         nbytes = batch * kv_heads * self.config.block_tokens * rows
         limit = self.pool_limit(batch, key_states.dtype)
         sizes = []
@@ -193,7 +193,7 @@ class InfinigenCache(Cache):
         """Tokens per (batch row, KV head) each offloaded layer's pool may hold (whole blocks).
         ``cpu_pool_gb`` is the limit of all tensor-parallel ranks together, each holding its share of
         the KV heads: every rank keeps as many tokens as one process would, and evicts the same ones."""
-        nbytes = row_bytes(self.spec.head_dim, dtype, self.policy.codec, self.config.kv_bits)
+        nbytes = row_bytes(self.spec.head_dim, dtype, self.policy_type.codec, self.config.kv_bits)
         pool_gb = None if self.config.cpu_pool_gb is None else self.config.cpu_pool_gb / self.shard.ranks
         return pool_limit(pool_gb, self.n_offloaded, batch, self.shard.kv_count, nbytes, self.config.block_tokens)
 
@@ -460,7 +460,7 @@ class InfinigenCache(Cache):
         row_bytes = offloaded[0].pool.row_bytes if offloaded else 0
         pool_bytes = sum(layer.pool.nbytes for layer in offloaded)
         summary = summarize(offloaded, row_bytes, wait_ms, pool_bytes)
-        codec, kv_bits = self.policy.codec, self.config.kv_bits
+        codec, kv_bits = self.policy_type.codec, self.config.kv_bits
         if codec is not None:
             bits = codec.bits_per_value
         elif kv_bits == 8:
@@ -469,12 +469,12 @@ class InfinigenCache(Cache):
             bits = 16  # 16-bit KV as the reference
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
         summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
-        allocation = self.allocation if self.policy.budgeted else None
+        allocation = self.allocation if self.policy_type.budgeted else None
         head = {
-            "policy": self.policy.name,
+            "policy": self.policy_type.name,
             "allocation": allocation,
-            "kv_bits": kv_bits if self.policy.offloads and self.policy.plain_rows else None,  # else n/a
+            "kv_bits": kv_bits if self.policy_type.offloads and self.policy_type.plain_rows else None,  # else n/a
             "reuse_rows": None if self.reuse is None else str(self.reuse),  # e.g. "on (auto: 0.40 GB fits in ...)"
-            "resident_extra": self.resident_extra if self.policy.budgeted else None,  # as it applied at the end
+            "resident_extra": self.resident_extra if self.policy_type.budgeted else None,  # as it applied at the end
         }
         return head | summary | {"replayed_steps": self.replayed_steps}

@@ -281,7 +281,7 @@ def out_of_memory(model: PreTrainedModel, cache: InfinigenCache, batch: int, tok
     return (
         f"out of {model.device} memory: weights {weights / gb:.2f} GB, batch {batch} x {tokens} tokens, "
         f"KV {kv_per_layer / gb:.2f} GB per layer ({cache.n_offloaded} of {spec.n_layers} layers offloaded, "
-        f"policy {cache.policy.name}); device free {free / gb:.2f} of {total / gb:.2f} GB: "
+        f"policy {cache.policy_type.name}); device free {free / gb:.2f} of {total / gb:.2f} GB: "
         "lower the batch, the prefill chunk or the budget, or use the infinigen policy"
     )
 
@@ -296,7 +296,7 @@ def run_stats(cache: InfinigenCache, timer: TokenTimer, batch: int, prompt_len: 
         "new_tokens": new_tokens,
         "prefill_tok_s": round(batch * prompt_len / prefill_s, 1) if prefill_s > 0 else None,
         "decode_tok_s": round(batch * (new_tokens - 1) / decode_s, 1) if decode_s > 0 else None,
-        "budget": cache.config.budget if cache.policy.budgeted else None,
+        "budget": cache.config.budget if cache.policy_type.budgeted else None,
         "allocation": summary["allocation"],
         "reuse_rows": summary["reuse_rows"],  # whether rows stayed on the GPU, and why
         "fraction_fetched": summary["fraction_fetched"],

@@ -181,7 +181,7 @@ def _step_hook(attachment: Attachment, j: int, norms: list[Norm]):
                 cache.begin_decode_step()
         if not cache.decoding:  # prefill: nothing to select
             return
-        if not cache.policy.lookahead:
+        if not cache.policy_type.lookahead:
             _prefetch(cache, [j], hidden, norms)
             return
         targets = [0] if j == 0 else []
@@ -197,7 +197,7 @@ def _after_attention_hook(j: int, norms: list[Norm], attention: nn.Module):
 
     def hook(norm: nn.Module, args) -> None:
         cache = bound_cache(attention)
-        if cache is None or not cache.decoding or not cache.policy.lookahead:
+        if cache is None or not cache.decoding or not cache.policy_type.lookahead:
             return
         if not _reads_input(cache, j + 1):  # (B, 1, hidden), or (B, hidden) as OPT flattens it
             _prefetch(cache, [j + 1], args[0].view(-1, 1, args[0].shape[-1]), norms)

@@ -12,7 +12,7 @@ import torch
 from infinigen.architectures import model_spec, sliding_windows
 from infinigen.runtime.config import config_from
 from infinigen.runtime.host_memory import WORKERS
-from infinigen.runtime.policies import make_policy
+from infinigen.runtime.policies import policy_class
 from infinigen.runtime.pool import row_bytes
 
 
@@ -59,7 +59,7 @@ def host_pool_size(model_config, batch: int, tokens: int, dtype: torch.dtype, ra
     ``ranks`` tensor-parallel ranks (None in ``settings``: the field's default). A limited pool
     (``cpu_pool_gb``) holds at most its limit."""
     config = config_from(settings)
-    policy = make_policy(config)
+    policy = policy_class(config.policy)
     spec = model_spec(model_config)
     n_offloaded = len(offloaded_layer_indices(model_config, config.dense_layers, policy.offloads))
     kv_heads = spec.n_kv_heads // ranks

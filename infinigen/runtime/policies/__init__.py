@@ -17,10 +17,16 @@ POLICIES: dict[PolicyName, type[Policy]] = {
 }
 
 
+def policy_class(name: str) -> type[Policy]:
+    """The registered policy ``name`` (its flags are class attributes)."""
+    if name not in POLICIES:
+        raise InfinigenError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
 def make_policy(config: RuntimeConfig) -> Policy:
-    if config.policy not in POLICIES:
-        raise InfinigenError(f"unknown policy {config.policy!r}: choose one of {', '.join(POLICIES)}")
-    return POLICIES[config.policy](config)
+    """A policy instance for one offloaded layer (it keeps that layer's selection state)."""
+    return policy_class(config.policy)(config)
 
 
-__all__ = ["POLICIES", "Policy", "Selection", "make_policy"]
+__all__ = ["POLICIES", "Policy", "Selection", "make_policy", "policy_class"]
