@@ -408,9 +408,9 @@ def test_captured_selection_survives_a_longer_shared_arange(tiny_llama, monkeypa
 
     def replay_then_grow(graph, layer, hidden, norm, rope):
         out = replay(graph, layer, hidden, norm, rope)
-        old = layer.runtime.slot_range
+        old = layer.cache.slot_range
         if old.numel() < 4096:
-            layer.runtime.all_slots(old.numel() + 1)  # replaces the arange the graph was captured with
+            layer.cache.all_slots(old.numel() + 1)  # replaces the arange the graph was captured with
             junk.append(torch.full_like(old, -7))  # the size just freed, unless the graph holds it
         return out
 
@@ -473,7 +473,7 @@ def test_sinks_and_recent_window_are_always_fetched(tokenizer, device):
     layer = cache.offloaded[0]
     n = layer.capacity
     cached = layer.valid[:, :, :n].sum(dim=-1)  # (B, kv_heads)
-    layer.runtime.slot.fill_(layer.used)  # as at a selection: the next token's slot
+    layer.cache.slot.fill_(layer.used)  # as at a selection: the next token's slot
     window = always_fetched(layer, n, 0, 1000, 0.25)
     assert torch.equal(window.sum(dim=-1), (cached * 0.125).long())
     assert bool(window[:, :, : layer.used - int((cached * 0.125).max())].logical_not().all())

@@ -34,7 +34,7 @@ class RecallProbe:
         # the step's selection among the positions attended (with row reuse these hold rows of earlier steps too)
         selection, mask = layer.last_selection
         picked = torch.zeros(batch, kv_heads, layer.capacity + 1, dtype=torch.bool, device=mask.device)
-        indices = layer.runtime.selected_slots(layer, selection)
+        indices = layer.cache.selected_slots(layer, selection)
         picked.scatter_(-1, indices, mask[:, :, : indices.shape[-1]])
         chosen = fetched.valid[:, :, :-1] & picked.gather(-1, fetched.indices)  # (B, kv_heads, K)
         k = chosen.sum(dim=-1)  # (B, kv_heads)

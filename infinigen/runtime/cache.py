@@ -90,9 +90,9 @@ class InfinigenCache(Cache):
         layers: list = []
         for i, window in enumerate(sliding_windows(model.config)):
             if window is not None:
-                layers.append(SlidingLayer(window, runtime=self))
+                layers.append(SlidingLayer(window, cache=self))
             elif i not in budgets:
-                layers.append(DenseLayer(runtime=self))
+                layers.append(DenseLayer(cache=self))
             else:
                 speculator = None
                 if self.policy_type.speculates:
@@ -100,7 +100,7 @@ class InfinigenCache(Cache):
                     speculator = LayerSpeculator(self.spec, artifact, i, blocks[i].self_attn, param.device, param.dtype)
                 layer_config = replace(config, budget=budgets[i])
                 policy = make_policy(layer_config)  # one instance per layer: it keeps the layer's selection state
-                layers.append(OffloadedLayer(i, policy, layer_config, speculator, blocks[i].self_attn, runtime=self))
+                layers.append(OffloadedLayer(i, policy, layer_config, speculator, blocks[i].self_attn, cache=self))
         super().__init__(layers=layers)
         # the running forward's rotary (cos, sin) by layer type (None: one for every layer; hooks.py)
         self.ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}

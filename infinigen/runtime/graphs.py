@@ -57,8 +57,8 @@ class SelectionGraph:
 
     def _capture(self, layer: OffloadedLayer, hidden: torch.Tensor, norm: Norm, rope) -> None:
         self.graph = self.outputs = None  # release the previous capture's memory first
-        layer.runtime.all_slots(layer.capacity + 1)  # the shared arange must not grow inside the capture
-        self.slot_range = layer.runtime.slot_range
+        layer.cache.all_slots(layer.capacity + 1)  # the shared arange must not grow inside the capture
+        self.slot_range = layer.cache.slot_range
         self.hidden = hidden.clone()  # static inputs, refilled before each replay
         self.rope = tuple(t.clone() for t in rope) if rope is not None else ()
         static_rope = self.rope or None

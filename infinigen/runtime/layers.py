@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -23,6 +24,9 @@ from infinigen.runtime.pool import KVPool, stored_width
 from infinigen.runtime.reuse import ResidentRows
 from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import LayerStats
+
+if TYPE_CHECKING:
+    from infinigen.runtime.cache import InfinigenCache
 
 
 class _Layer(CacheLayerMixin):
@@ -49,9 +53,9 @@ class DenseLayer(_Layer):
     ``slot`` and attends over the whole buffer through ``valid``: no shape or index in it depends on
     the length, so a captured decode step replays unchanged until the buffer grows."""
 
-    def __init__(self, runtime) -> None:
+    def __init__(self, cache: InfinigenCache) -> None:
         super().__init__()
-        self.runtime = runtime  # the InfinigenCache: its ``slot``
+        self.cache = cache  # the cache this layer belongs to: its ``slot``
         self.valid: torch.Tensor | None = None  # (B, 1, capacity) bool: the slot holds a token (not padding)
         self.attention_valid: torch.Tensor | None = None  # (B, 1, capacity) for the current decode step
 
@@ -85,7 +89,7 @@ class DenseLayer(_Layer):
 
     def decode_slot(self) -> torch.Tensor:
         """(1,) on the device: where a decode step's token goes (the cache's ``slot``, == length)."""
-        return self.runtime.slot
+        return self.cache.slot
 
     def _update_many(self, key_states, value_states):
         start, end = self.length, self.length + key_states.shape[2]
@@ -129,12 +133,12 @@ class OffloadedLayer(_Layer):
         config: RuntimeConfig,
         speculator: LayerSpeculator | None,
         attention: torch.nn.Module,
-        runtime,
+        cache: InfinigenCache,
     ) -> None:
         super().__init__()
         self.index, self.policy, self.config, self.speculator = index, policy, config, speculator
         self.attention = attention  # the layer's attention module (the oracle computes its true query)
-        self.runtime = runtime  # the InfinigenCache: shared stream, staging buffers, pool limit
+        self.cache = cache  # the cache this layer belongs to: shared stream, staging buffers, pool limit
         # from the first update (``lazy_initialization``): the keys' device, dtype and head_dim, the pool, and
         # (B, kv_heads, capacity) bool: the slot holds a cached token (not padding, not unused)
         self.device: torch.device | None = None
@@ -170,8 +174,8 @@ class OffloadedLayer(_Layer):
         # sized from the keys received: under tensor parallelism, this rank's KV heads only
         batch, kv_heads, _, self.head_dim = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.max_tokens = self.runtime.pool_limit(batch, self.dtype)
-        self.runtime.measure_reuse_room()
+        self.max_tokens = self.cache.pool_limit(batch, self.dtype)
+        self.cache.measure_reuse_room()
         self.pool = KVPool(
             batch,
             kv_heads,
@@ -182,7 +186,7 @@ class OffloadedLayer(_Layer):
             kv_bits=self.config.kv_bits,
             gather_rows=self.config.gather_rows,
             gather_programs=self.config.gather_programs,
-            host=self.runtime.host_blocks,
+            host=self.cache.host_blocks,
         )
         self.valid = torch.zeros(batch, kv_heads, 0, dtype=torch.bool, device=self.device)
         if self.max_tokens is not None:  # eviction bookkeeping, only for a limited pool
@@ -210,7 +214,7 @@ class OffloadedLayer(_Layer):
             raise InfinigenError("multi-token steps after the CPU pool has evicted tokens are not supported")
         past = self._fetch_all() if self.length else None
         if past is not None:
-            self.runtime.wait(past)
+            self.cache.wait(past)
         if self.max_tokens is not None and self.used + new > self.max_tokens:
             raise InfinigenError(
                 f"the CPU KV pool holds {self.max_tokens} tokens per sequence per layer, too few for "
@@ -219,7 +223,7 @@ class OffloadedLayer(_Layer):
         slots = range(self.used, self.used + new)
         self.pool.reserve(slots.stop)
         self._append_metadata(slots.start, slots.stop, key_states)
-        self.runtime.store(self, slots.start, self._encoded(key_states, value_states))
+        self.cache.store(self, slots.start, self._encoded(key_states, value_states))
         self.stats.written_rows += new * key_states.shape[0] * key_states.shape[1]
         self.length += new
         self.used += new
@@ -278,16 +282,16 @@ class OffloadedLayer(_Layer):
 
     @property
     def spec(self) -> ModelSpec:
-        return self.runtime.spec
+        return self.cache.spec
 
     def all_slots(self, n: int) -> torch.Tensor:
         """arange(n) on the device, shared by the cache's layers."""
-        return self.runtime.all_slots(n)
+        return self.cache.all_slots(n)
 
     def device_used(self) -> torch.Tensor:
         """``used`` as a (1,) tensor on the device: the cache's ``slot`` while the pool appends (a
         captured step reads its current value), else a constant (a full pool runs eagerly)."""
-        return self.runtime.slot if self.appends() else torch.full((1,), self.used, device=self.device)
+        return self.cache.slot if self.appends() else torch.full((1,), self.used, device=self.device)
 
     def resident_rows(self, positions: int) -> ResidentRows:
         """The rows kept on the GPU between steps (row reuse), with room for ``positions``."""
@@ -297,14 +301,14 @@ class OffloadedLayer(_Layer):
         held = self.resident.rows
         self.resident.grow(positions, self.capacity)
         if self.resident.rows is not held:  # a new buffer, which the transfer stream writes
-            self.runtime.on_both_streams(self.resident.rows)
+            self.cache.on_both_streams(self.resident.rows)
         return self.resident
 
     def every_slot(self) -> Selection:
         """A bulk fetch of every cached slot: indices over the whole capacity, the count of slots in
         use on the device, so a CUDA graph replays it."""
         batch, kv_heads = self.valid.shape[:2]
-        indices = self.runtime.all_slots(self.capacity).expand(batch, kv_heads, self.capacity)
+        indices = self.cache.all_slots(self.capacity).expand(batch, kv_heads, self.capacity)
         return Selection(indices=indices, count=self.device_used().to(torch.int32).expand(batch))
 
     def cached_tokens(self) -> torch.Tensor | int:
@@ -316,31 +320,31 @@ class OffloadedLayer(_Layer):
     def prefetch(self, hidden: torch.Tensor, norm: Norm, rope) -> None:
         """Select and start fetching the rows of the next decode step. hidden (B, hidden): the residual
         stream the selection reads (one layer ahead, or this layer's own), before ``norm``."""
-        self.fetched = self.runtime.aside(lambda: self._prefetched(hidden, norm, rope), (hidden, *(rope or ())))
+        self.fetched = self.cache.aside(lambda: self._prefetched(hidden, norm, rope), (hidden, *(rope or ())))
 
     def _prefetched(self, hidden: torch.Tensor, norm: Norm, rope) -> Fetched:
-        if self.runtime.diagnostics.select_rows or self.last_selection is None:
-            if self.selection_graph is None and self.runtime.captures(self):
+        if self.cache.diagnostics.select_rows or self.last_selection is None:
+            if self.selection_graph is None and self.cache.captures(self):
                 self.selection_graph = SelectionGraph()
             if self.selection_graph is not None:
                 self.last_selection = self.selection_graph(self, hidden, norm, rope)
             else:
                 self.last_selection = self.select(hidden, norm, rope)
-        return self.runtime.fetch(self, *self.last_selection)
+        return self.cache.fetch(self, *self.last_selection)
 
     def select(self, hidden: torch.Tensor, norm: Norm, rope) -> tuple[Selection, torch.Tensor]:
         """The policy's selection and the validity of the rows it fetches (B, kv_heads, K + 1)."""
         selection = self.policy.select(self, norm(hidden), rope)
-        return selection, self.runtime.fetch_mask(self, selection)
+        return selection, self.cache.fetch_mask(self, selection)
 
     def _fetch_all(self) -> Fetched:
-        return self.runtime.fetch(self, Selection(), step=False)
+        return self.cache.fetch(self, Selection(), step=False)
 
     def _update_decode(self, key_states, value_states):
-        fetched = self.fetched if self.fetched is not None else self.runtime.fetch(self, self.every_slot())
+        fetched = self.fetched if self.fetched is not None else self.cache.fetch(self, self.every_slot())
         self.fetched = None
         self.decoding = fetched
-        self.runtime.wait(fetched)
+        self.cache.wait(fetched)
         rows, valid = fetched.rows, fetched.valid
         rows[:, :, 0, -1] = key_states[:, :, 0]
         rows[:, :, 1, -1] = value_states[:, :, 0]
@@ -355,7 +359,7 @@ class OffloadedLayer(_Layer):
         new_rows = self._encoded(key_states, value_states)  # (B, kv_heads, 1, 2, stored_dim)
         if self.appends():
             self.pool.reserve(self.used + 1)
-            slots = self.runtime.slot.expand(key_states.shape[:2])  # (B, kv_heads): slot ``used``
+            slots = self.cache.slot.expand(key_states.shape[:2])  # (B, kv_heads): slot ``used``
         else:
             slots = self._victims()  # (B, kv_heads)
             self.stats.evicted_tokens += slots.shape[0]  # one token per batch row

@@ -16,10 +16,15 @@ reports the same mask sizes, so the model's own sliding mask applies unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from infinigen.runtime.buffers import grown_to
 from infinigen.runtime.layers import DenseLayer
+
+if TYPE_CHECKING:
+    from infinigen.runtime.cache import InfinigenCache
 
 
 class SlidingLayer(DenseLayer):
@@ -29,8 +34,8 @@ class SlidingLayer(DenseLayer):
 
     is_sliding = True
 
-    def __init__(self, window: int, runtime) -> None:
-        super().__init__(runtime)
+    def __init__(self, window: int, cache: InfinigenCache) -> None:
+        super().__init__(cache)
         self.window = window
 
     def _room(self, tokens: int) -> int:
@@ -57,7 +62,7 @@ class SlidingLayer(DenseLayer):
         return self.window
 
     def decode_slot(self) -> torch.Tensor:
-        return self.runtime.slot % self.window  # the slot of the token that just left the window
+        return self.cache.slot % self.window  # the slot of the token that just left the window
 
     def _update_many(self, key_states, value_states):
         start, new = self.length, key_states.shape[2]
