@@ -230,10 +230,8 @@ def generate_text(
         raise InfinigenError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if not prompts or not all(p.strip() for p in prompts):
         raise InfinigenError("the prompt is empty")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    inputs = left_padded(tokenizer(prompts)["input_ids"], pad, model.device)  # the tokenizer left as it was
     prompt_len = inputs["input_ids"].shape[1]
     limit = model.config.max_position_embeddings
     if prompt_len + max_new_tokens > limit:
@@ -261,7 +259,7 @@ def generate_text(
                 **sampling.generate_kwargs(),
                 custom_generate=decode,  # decode steps replayed as CUDA graphs
                 decode_streamer=timer,
-                pad_token_id=tokenizer.pad_token_id,
+                pad_token_id=pad,
                 **chunking,
                 **{cache_argument(model): cache},
             )
@@ -269,6 +267,14 @@ def generate_text(
         raise InfinigenError(out_of_memory(model, cache, len(prompts), prompt_len + max_new_tokens)) from None
     texts = tokenizer.batch_decode(output[:, prompt_len:], skip_special_tokens=True)
     return texts, run_stats(cache, timer, len(prompts), prompt_len, output.shape[1] - prompt_len, model)
+
+
+def left_padded(ids: list[list[int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Token lists as one left-padded batch: ``input_ids`` and ``attention_mask`` (B, longest)."""
+    longest = max(len(row) for row in ids)
+    input_ids = torch.tensor([[pad] * (longest - len(row)) + row for row in ids], device=device)
+    mask = torch.tensor([[0] * (longest - len(row)) + [1] * len(row) for row in ids], device=device)
+    return {"input_ids": input_ids, "attention_mask": mask}
 
 
 def out_of_memory(model: PreTrainedModel, cache: InfinigenCache, batch: int, tokens: int) -> str:
