@@ -28,7 +28,7 @@ class RecallProbe:
         """query (B, H, 1, d): the layer's true query at this step (the current token is already stored)."""
         if layer.policy.codec is not None:  # compressed rows: every token is fetched, nothing to recall
             return
-        fetched = layer.decoding
+        fetched = layer.attended_fetch
         batch, kv_heads = layer.valid.shape[:2]
         scores = true_scores(layer, query[:, :, 0], layer.used - 1)  # the slots the selection chose from
         # the step's selection among the positions attended (with row reuse these hold rows of earlier steps too)

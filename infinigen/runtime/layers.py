@@ -158,7 +158,7 @@ class OffloadedLayer(_Layer):
         self.fetched: Fetched | None = None
         self.attention_valid: torch.Tensor | None = None  # (B, kv_heads, K + 1) for the current decode step
         self.attention_slots: torch.Tensor | None = None  # (B, kv_heads, K + 1) their slots
-        self.decoding: Fetched | None = None  # what the current decode step attends over
+        self.attended_fetch: Fetched | None = None  # what the current decode step attends over
         self.selection_graph: SelectionGraph | None = None  # CUDA: the selection, captured
         self.last_selection: tuple[Selection, torch.Tensor] | None = None  # the latest step's, with its fetch mask
         self.padded = False  # some batch row has padding slots (marked invalid)
@@ -343,7 +343,7 @@ class OffloadedLayer(_Layer):
     def _update_decode(self, key_states, value_states):
         fetched = self.fetched if self.fetched is not None else self.cache.fetch(self, self.every_slot())
         self.fetched = None
-        self.decoding = fetched
+        self.attended_fetch = fetched
         self.cache.wait(fetched)
         rows, valid = fetched.rows, fetched.valid
         rows[:, :, 0, -1] = key_states[:, :, 0]
