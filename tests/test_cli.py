@@ -8,12 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import invoke
+from helpers import EXACT, tiny_setup
 from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM
 
 from infinigen import __version__
 from infinigen.artifacts import load_artifact
 from infinigen.cli import app
+from infinigen.runtime import cache_for
+from infinigen.runtime.generation import generate_text
 
 
 def test_runtime_options_come_from_runtime_config():
@@ -446,3 +449,18 @@ def test_eval_ppl_prefix_defaults_to_half_the_window(prepared, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["prefix"] == 24 and report["results"][0]["tokens_scored"] == 24
+
+
+def test_generate_text_left_pads_without_touching_the_tokenizer(tokenizer):
+    """A batch of two prompts, left-padded by generate_text itself: each decodes as it does alone, and
+    the caller's tokenizer keeps its padding side and pad token."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    side, pad = tokenizer.padding_side, tokenizer.pad_token
+    prompts = ["the quick brown fox jumps", "over"]
+    batch, _ = generate_text(model, tokenizer, prompts, cache_for(model, artifact, **EXACT), max_new_tokens=4)
+    alone = [
+        generate_text(model, tokenizer, [p], cache_for(model, artifact, **EXACT), max_new_tokens=4)[0][0]
+        for p in prompts
+    ]
+    assert batch == alone
+    assert (tokenizer.padding_side, tokenizer.pad_token) == (side, pad)

@@ -482,20 +482,3 @@ def test_selection_runs_beside_the_compute_stream(tokenizer, monkeypatch):
         )
     assert torch.equal(greedy(model, inputs, cache), expected)
     assert streams and all(stream == cache.selection_stream for stream in streams)
-
-
-def test_generate_text_left_pads_without_touching_the_tokenizer(tokenizer):
-    """A batch of two prompts, left-padded by generate_text itself: each decodes as it does alone, and
-    the caller's tokenizer keeps its padding side and pad token."""
-    from infinigen.runtime.generation import generate_text
-
-    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
-    side, pad = tokenizer.padding_side, tokenizer.pad_token
-    prompts = ["the quick brown fox jumps", "over"]
-    batch, _ = generate_text(model, tokenizer, prompts, cache_for(model, artifact, **EXACT), max_new_tokens=4)
-    alone = [
-        generate_text(model, tokenizer, [p], cache_for(model, artifact, **EXACT), max_new_tokens=4)[0][0]
-        for p in prompts
-    ]
-    assert batch == alone
-    assert (tokenizer.padding_side, tokenizer.pad_token) == (side, pad)

@@ -39,6 +39,7 @@ from infinigen.errors import InfinigenError
 from infinigen.eval.decoding import continuation_scores
 from infinigen.runtime import cache_argument, cache_for, decode, load
 from infinigen.runtime.config import RUNTIME_FIELDS, config_from, parse_value
+from infinigen.runtime.generation import pad_token_id
 
 DEFAULT_BATCH = 8
 DEFAULT_GEN_TOKENS = 256  # HFLM's max_gen_toks
@@ -100,7 +101,7 @@ class HarnessModel:
         self.settings = dict(self.settings or {})
         self.max_length = int(self.max_length or self.model.config.max_position_embeddings)
         tokenizer = self.tokenizer
-        self.pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+        self.pad = pad_token_id(tokenizer)
 
     @property
     def prefix_token_id(self) -> int:

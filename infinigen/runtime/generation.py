@@ -230,7 +230,7 @@ def generate_text(
         raise InfinigenError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if not prompts or not all(p.strip() for p in prompts):
         raise InfinigenError("the prompt is empty")
-    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    pad = pad_token_id(tokenizer)
     inputs = left_padded(tokenizer(prompts)["input_ids"], pad, model.device)  # the tokenizer left as it was
     prompt_len = inputs["input_ids"].shape[1]
     limit = model.config.max_position_embeddings
@@ -267,6 +267,11 @@ def generate_text(
         raise InfinigenError(out_of_memory(model, cache, len(prompts), prompt_len + max_new_tokens)) from None
     texts = tokenizer.batch_decode(output[:, prompt_len:], skip_special_tokens=True)
     return texts, run_stats(cache, timer, len(prompts), prompt_len, output.shape[1] - prompt_len, model)
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads a batch: the tokenizer's pad token, else its end of sequence, else 0."""
+    return next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
 
 
 def left_padded(ids: list[list[int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
