@@ -16,6 +16,7 @@ from infinigen import __version__
 from infinigen.artifacts import load_artifact
 from infinigen.cli import app
 from infinigen.runtime import cache_for
+from infinigen.runtime.config import DEFAULT_RESIDENT_EXTRA
 from infinigen.runtime.generation import generate_text
 
 
@@ -123,7 +124,7 @@ def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
     assert report["stats"]["new_tokens"] == 6 and 0 < report["stats"]["fraction_fetched"] <= 1
     assert report["stats"]["bytes_host_to_device"] > 0 and set(report["stats"]["per_layer"]) == offloaded
     assert report["stats"]["reuse_rows"] == "on (auto: CPU, to attend rows of earlier steps as on a GPU)"
-    assert report["stats"]["resident_extra"] == 1.0
+    assert report["stats"]["resident_extra"] == DEFAULT_RESIDENT_EXTRA
     assert report["stats"]["fraction_attended"] > report["stats"]["fraction_fetched"]
     selection_only = ("--resident-extra", "0")
     plain = invoke(*args, *selection_only)  # nothing to attend besides the selection: auto leaves reuse off

@@ -77,7 +77,7 @@ def test_decode_with_row_reuse_matches_generate(tokenizer, policy, device):
     settings = dict(policy=policy, budget=0.3, block_tokens=16, min_tokens=2)
     plain_cache, reuse_cache = (
         cache_for(model, artifact, **settings, reuse_rows="off"),  # on CUDA "auto" would reuse too
-        cache_for(model, artifact, **settings, reuse_rows="on", resident_extra=0.0),  # by default 1
+        cache_for(model, artifact, **settings, reuse_rows="on", resident_extra=0.0),  # by default 2
     )
     expected = greedy(model, inputs, plain_cache, new_tokens=24)
     assert torch.equal(decoded(model, inputs, reuse_cache, new_tokens=24, do_sample=False), expected)

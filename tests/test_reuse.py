@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_for, placement, reuse
-from infinigen.runtime.config import RuntimeConfig, parse_value
+from infinigen.runtime.config import DEFAULT_RESIDENT_EXTRA, RuntimeConfig, parse_value
 from infinigen.runtime.reuse import Placement, ResidentRows
 
 
@@ -144,7 +144,7 @@ def test_resident_extra_attends_more_rows_for_no_more_bytes(tokenizer, device):
     plain, wider = cache_for(model, artifact, resident_extra=0.0, **settings), cache_for(model, artifact, **settings)
     greedy(model, inputs, plain, new_tokens=16), greedy(model, inputs, wider, new_tokens=16)
     plain_summary, wider_summary = plain.summary(), wider.summary()
-    assert (plain_summary["resident_extra"], wider_summary["resident_extra"]) == (0.0, 1.0)
+    assert (plain_summary["resident_extra"], wider_summary["resident_extra"]) == (0.0, DEFAULT_RESIDENT_EXTRA)
     assert plain_summary["fraction_attended"] == plain_summary["fraction_fetched"]
     assert wider_summary["fraction_attended"] > 1.3 * wider_summary["fraction_fetched"]
     assert wider_summary["fraction_fetched"] == pytest.approx(plain_summary["fraction_fetched"], rel=0.05)
@@ -307,7 +307,7 @@ def test_auto_on_the_cpu_reuses_rows_only_to_attend_earlier_ones(tokenizer):
     limited pool."""
     _, cache = decode(tokenizer, budget=0.3)
     assert cache.summary()["reuse_rows"] == "on (auto: CPU, to attend rows of earlier steps as on a GPU)"
-    assert cache.summary()["resident_extra"] == 1.0
+    assert cache.summary()["resident_extra"] == DEFAULT_RESIDENT_EXTRA
     _, plain = decode(tokenizer, budget=0.3, resident_extra=0.0)
     assert plain.summary()["reuse_rows"] == "off (auto: CPU, no transfers to save)"
     _, limited = decode(tokenizer, budget=0.3, cpu_pool_gb=1.0)
@@ -353,6 +353,24 @@ def test_auto_drops_the_rows_of_earlier_steps_before_reuse(tokenizer, monkeypatc
     assert summary["reuse_rows"].endswith("without rows of earlier steps)") and summary["resident_extra"] == 0.0
     assert torch.equal(tokens, lean_tokens) and not torch.equal(tokens, full_tokens)
     assert summary["bytes_host_to_device"] == lean.summary()["bytes_host_to_device"]
+
+
+def test_auto_keeps_fewer_rows_of_earlier_steps_before_none(tokenizer, monkeypatch):
+    """Where room holds the rows of resident_extra 1 but not those of the default 2, auto keeps 1:
+    the tokens of resident_extra 1 asked for."""
+    pretend_a_gpu(monkeypatch)
+    assert DEFAULT_RESIDENT_EXTRA == 2.0 and reuse.fallback_extras(2.0) == (2.0, 1.0, 0.0)
+    one_tokens, one = decode(tokenizer, budget=0.3, reuse_rows="on", resident_extra=1.0)
+    two_tokens, _ = decode(tokenizer, budget=0.3, reuse_rows="on")
+    layer = one.offloaded[0]
+    sizes = (*layer.valid.shape[:2], layer.head_dim, 4, layer.capacity, one.layer_budgets, 8)
+    cap = reuse.resident_bytes(*sizes, 1.0)  # rows of resident_extra 1 at the last (largest) capacity
+    first = layer.capacity - 16
+    assert reuse.resident_bytes(*sizes[:4], first, one.layer_budgets, 8, 2.0) > cap  # 2: never fits
+    tokens, capped = decode(tokenizer, budget=0.3, reuse_gpu_gb=cap / 1e9)
+    summary = capped.summary()
+    assert summary["reuse_rows"].endswith("with resident_extra 1)") and summary["resident_extra"] == 1.0
+    assert torch.equal(tokens, one_tokens) and not torch.equal(tokens, two_tokens)
 
 
 def test_the_estimate_bounds_what_the_resident_rows_take(tokenizer, monkeypatch):

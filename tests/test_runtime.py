@@ -276,7 +276,7 @@ def test_row_reuse_attends_the_same_rows_and_moves_fewer(tokenizer, arch, policy
     inputs = padded_batch(prompts, pad=1, device=device)
     settings = dict(policy=policy, budget=0.3)
     plain = cache_for(model, artifact, **settings, reuse_rows="off")  # on CUDA "auto" would reuse too
-    reusing = cache_for(model, artifact, **settings, reuse_rows="on", resident_extra=0.0)  # by default 1
+    reusing = cache_for(model, artifact, **settings, reuse_rows="on", resident_extra=0.0)  # by default 2
     expected = greedy(model, inputs, plain, new_tokens=16)
     assert torch.equal(greedy(model, inputs, reusing, new_tokens=16), expected)
     before, after = plain.summary(), reusing.summary()

@@ -213,17 +213,20 @@ class InfinigenCache(Cache):
     def reuses(self, layer: OffloadedLayer) -> bool:
         """Whether ``layer``'s decode fetches keep rows on the GPU. Auto decides at the first decode
         fetch and again whenever a pool has grown, from host arithmetic alone (it may run while a step
-        is captured): with rows of earlier steps where they fit, else without them, else off. Where
-        the rows kept no longer fit, every layer drops them and goes on as decided."""
+        is captured): with as many rows of earlier steps as fit (``reuse.fallback_extras``), else
+        without them, else off. Where the rows kept no longer fit, every layer drops them and goes on as
+        decided."""
         if self.reuse_auto and layer.capacity > self.reuse_capacity:
             batch, kv_heads = layer.valid.shape[:2]
             sizes = (layer.head_dim, layer.dtype.itemsize, layer.capacity, self.layer_budgets, self.config.min_tokens)
-            extra = self.config.resident_extra_or_default
-            decision = reuse.decide(reuse.resident_bytes(batch, kv_heads, *sizes, extra), self.reuse_room)
-            if not decision.on and extra:
-                lean = reuse.decide(reuse.resident_bytes(batch, kv_heads, *sizes), self.reuse_room)
-                if lean.on:
-                    decision, extra = reuse.Decision(True, f"{lean.reason}, without rows of earlier steps"), 0.0
+            asked = self.config.resident_extra_or_default
+            for extra in reuse.fallback_extras(asked):  # as many rows of earlier steps as fit, else none
+                decision = reuse.decide(reuse.resident_bytes(batch, kv_heads, *sizes, extra), self.reuse_room)
+                if decision.on:
+                    break
+            if decision.on and extra < asked:
+                kept = f"with resident_extra {extra:g}" if extra else "without rows of earlier steps"
+                decision = reuse.Decision(True, f"{decision.reason}, {kept}")
             extra = extra if decision.on else 0.0
             if self.reuse.on and (not decision.on or extra < self.resident_extra):
                 for other in self.offloaded:

@@ -23,7 +23,7 @@ PartialKeyBits = Literal[4, 8, 16]
 KVBits = Literal[16, 8]
 ReuseRows = Literal["auto", "on", "off"]
 Allocation = Literal["adaptive", "uniform"]
-DEFAULT_RESIDENT_EXTRA = 1.0  # RuntimeConfig.resident_extra where rows are reused and none is given
+DEFAULT_RESIDENT_EXTRA = 2.0  # RuntimeConfig.resident_extra where rows are reused and none is given
 
 
 def option(default: Any, help: str, *, applies_to: tuple[str, ...] = (), cli: bool = True) -> Any:
@@ -139,17 +139,18 @@ class RuntimeConfig:
         applies_to=("budgeted",),
     )
     # Consecutive steps select mostly the same rows, and those a step drops still carry attention: kept
-    # on the GPU, they are attended for no bytes moved. 1 where rows are reused: at 10% it took SmolLM2
-    # at 8K from +1.50% to +0.53% of dense perplexity, Qwen2.5-Coder-0.5B at 16K from +5.19% to +2.28%,
-    # and made the step 12% faster (ACCURACY.md, "resident_extra"; BENCHMARKS.md, "Row reuse"). Where
-    # auto reuse finds no room for them, the selection is attended alone.
+    # on the GPU, they are attended for no bytes moved. 2 where rows are reused: at 10% against 1 it took
+    # Qwen2.5-Coder-0.5B at 16K from +2.28% to +1.33% of dense perplexity (0 rows kept: +5.19%), Gemma-3-270m
+    # 1.8-3.7 points closer, and moves fewer rows a step (ACCURACY.md, "resident_extra"; BENCHMARKS.md,
+    # "Row reuse"), for 30% of the offloaded KV on the GPU instead of 20%. Where auto reuse finds no room
+    # for them, it keeps fewer (``reuse.fallback_extras``), then the selection alone.
     resident_extra: float | None = option(
         None,
         "With row reuse: room on the GPU for this share of a layer's selection again (of its width: the budget's "
         "share of the pool's capacity), for rows that recent steps selected; they are attended with the "
         "selection until new rows need their places (the least "
         f"recently selected go first). 0: the selection only. Default: {DEFAULT_RESIDENT_EXTRA:g} where rows "
-        "are reused (auto drops it first where memory is short).",
+        "are reused (auto keeps fewer, then none, where memory is short).",
         applies_to=("budgeted",),
     )
     # Tuning of the CUDA row gather (``runtime.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".

@@ -48,6 +48,12 @@ def resident_positions(selection: int, extra: float) -> int:
     return selection + math.ceil(extra * selection)
 
 
+def fallback_extras(extra: float) -> tuple[float, ...]:
+    """The ``resident_extra`` values auto reuse tries, most first, where memory is short: the one
+    asked, then 1 and 0 where below it (each layer keeps the same share of its selection)."""
+    return (extra, *(fewer for fewer in (1.0, 0.0) if fewer < extra))
+
+
 def resident_bytes(
     batch: int,
     kv_heads: int,
