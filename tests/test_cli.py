@@ -17,7 +17,7 @@ from infinigen.artifacts import load_artifact
 from infinigen.cli import app
 from infinigen.runtime import cache_for
 from infinigen.runtime.config import DEFAULT_RESIDENT_EXTRA
-from infinigen.runtime.generation import generate_text
+from infinigen.runtime.text import generate_text
 
 
 def test_runtime_options_come_from_runtime_config():

@@ -48,7 +48,7 @@ def generate(
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
     from infinigen.runtime import RuntimeConfig, cache_for, host_pool_size, reserve_host_memory
-    from infinigen.runtime.generation import Sampling, generate_text
+    from infinigen.runtime.text import Sampling, generate_text
 
     prompts = _prompts(prompt, prompt_file, batch_file)
     config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads

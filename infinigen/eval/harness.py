@@ -39,7 +39,7 @@ from infinigen.errors import InfinigenError
 from infinigen.eval.decoding import continuation_scores
 from infinigen.runtime import cache_argument, cache_for, decode, load
 from infinigen.runtime.config import RUNTIME_FIELDS, config_from, parse_value
-from infinigen.runtime.generation import pad_token_id
+from infinigen.runtime.text import pad_token_id
 
 DEFAULT_BATCH = 8
 DEFAULT_GEN_TOKENS = 256  # HFLM's max_gen_toks

