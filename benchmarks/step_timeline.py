@@ -7,6 +7,7 @@ is known yet), the gaps between gathers inside the step, and the gathers' total 
 
     python benchmarks/step_timeline.py 1 32768 0.1,0.2          # batch, context, budgets
     python benchmarks/step_timeline.py 1 32768 0.1 --chain      # and one layer's kernels, in order
+    python benchmarks/step_timeline.py 8 16384 0.1 kv_bits=8 resident_extra=2 reuse_rows=on  # RuntimeConfig fields
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from profiling import profiled_steps
+from profiling import profiled_steps, settings_from
 
 from infinigen.bench.shapes import random_model
 from infinigen.cli import _random_artifact
@@ -25,9 +26,9 @@ from infinigen.cli import _random_artifact
 STEPS = 6
 
 
-def kernels(batch: int, context: int, budget: float, model, artifact) -> tuple[float, list[dict]]:
+def kernels(batch: int, context: int, budget: float, model, artifact, settings: dict) -> tuple[float, list[dict]]:
     """The median step (ms) and the kernel events of ``STEPS`` profiled steps."""
-    step_ms, profiler = profiled_steps(model, artifact, batch, context, budget, STEPS)
+    step_ms, profiler = profiled_steps(model, artifact, batch, context, budget, STEPS, **settings)
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     profiler.export_chrome_trace(str(trace))
     return step_ms, [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
@@ -71,11 +72,11 @@ def chain(events: list[dict]) -> None:
             print(f"  {role} {e['ts'] - window[0]['ts']:8.1f} +{e['dur']:6.1f} us  {e['name'][:70]}")
 
 
-def main(batch: int, context: int, budgets: list[float], show_chain: bool) -> None:
+def main(batch: int, context: int, budgets: list[float], show_chain: bool, settings: dict) -> None:
     model = random_model("llama-3-8b", "cuda", torch.bfloat16)
     artifact = _random_artifact(model, "llama-3-8b", 0.5)
     for budget in budgets:
-        step_ms, events = kernels(batch, context, budget, model, artifact)
+        step_ms, events = kernels(batch, context, budget, model, artifact, settings)
         report(batch, context, budget, step_ms, events)
         if show_chain:
             chain(events)
@@ -83,4 +84,5 @@ def main(batch: int, context: int, budgets: list[float], show_chain: bool) -> No
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), [float(b) for b in sys.argv[3].split(",")], "--chain" in sys.argv)
+    budgets = [float(b) for b in sys.argv[3].split(",")]
+    main(int(sys.argv[1]), int(sys.argv[2]), budgets, "--chain" in sys.argv, settings_from(sys.argv[4:]))
