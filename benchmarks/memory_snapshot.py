@@ -13,8 +13,7 @@ import sys
 import torch
 from profiling import decoded
 
-from infinigen.bench.shapes import random_model
-from infinigen.cli import _random_artifact
+from infinigen.bench.shapes import random_artifact, random_model
 
 SITES = 12
 
@@ -30,7 +29,7 @@ def allocation_site(frames: list[dict]) -> str:
 @torch.no_grad()
 def main(batch: int, context: int, budget: float) -> None:
     model = random_model("llama-3-8b", "cuda", torch.bfloat16)
-    artifact = _random_artifact(model, "llama-3-8b", 0.5)
+    artifact = random_artifact(model, "llama-3-8b", 0.5)
     weights = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     # held until the snapshot (the cache's buffers are what it shows); the peak restarts after the warm-up

@@ -14,15 +14,14 @@ import sys
 import torch
 from profiling import profiled_steps, settings_from
 
-from infinigen.bench.shapes import random_model
-from infinigen.cli import _random_artifact
+from infinigen.bench.shapes import random_artifact, random_model
 
 STEPS = 5
 
 
 def main(batch: int, context: int, budgets: list[float], settings: dict) -> None:
     model = random_model("llama-3-8b", "cuda", torch.bfloat16)
-    artifact = _random_artifact(model, "llama-3-8b", 0.5)
+    artifact = random_artifact(model, "llama-3-8b", 0.5)
     for budget in budgets:
         step_ms, profiler = profiled_steps(model, artifact, batch, context, budget, STEPS, **settings)
         events = profiler.key_averages()

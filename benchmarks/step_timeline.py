@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 from profiling import profiled_steps, settings_from
 
-from infinigen.bench.shapes import random_model
-from infinigen.cli import _random_artifact
+from infinigen.bench.shapes import random_artifact, random_model
 
 STEPS = 6
 
@@ -74,7 +73,7 @@ def chain(events: list[dict]) -> None:
 
 def main(batch: int, context: int, budgets: list[float], show_chain: bool, settings: dict) -> None:
     model = random_model("llama-3-8b", "cuda", torch.bfloat16)
-    artifact = _random_artifact(model, "llama-3-8b", 0.5)
+    artifact = random_artifact(model, "llama-3-8b", 0.5)
     for budget in budgets:
         step_ms, events = kernels(batch, context, budget, model, artifact, settings)
         report(batch, context, budget, step_ms, events)

@@ -164,6 +164,7 @@ def test_decode_needs_an_infinigen_cache(tokenizer):
     ("policy", "reuse_rows", "kv_bits"),
     [
         ("infinigen", False, 16),
+        ("dense", False, 16),  # no selection stream forked: the capture must not join it
         ("full", False, 16),
         ("quest", False, 16),
         ("int4", False, 16),

@@ -4,6 +4,7 @@ CLI as clients. Data flows one way: the runtime imports none of its clients, nor
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "infinigen"
+SCRIPTS = PACKAGE.parent / "benchmarks"
 CLIENTS = ("infinigen.eval", "infinigen.bench", "infinigen.cli", "infinigen.prepare")
 
 
@@ -55,3 +57,14 @@ def test_config_and_command_line_start_without_torch():
     code += "print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("path", sorted(SCRIPTS.glob("*.py")), ids=lambda p: p.name)
+def test_benchmark_scripts_import_names_the_package_has(path):
+    """The scripts under benchmarks/ run only on a GPU: a renamed function must still fail here."""
+    missing = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("infinigen"):
+            module = importlib.import_module(node.module)
+            missing += [f"{node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
+    assert not missing, f"{path.name} imports {missing}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel
@@ -23,6 +23,7 @@ from infinigen.errors import InfinigenError
 from infinigen.runtime import int8_rows, reuse
 from infinigen.runtime.allocation import offloaded_budgets
 from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.diagnostics import Diagnostics
 from infinigen.runtime.hooks import attach
 from infinigen.runtime.host_memory import HostBlocks
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer
@@ -34,25 +35,6 @@ from infinigen.runtime.speculation import LayerSpeculator
 from infinigen.runtime.stats import summarize
 from infinigen.runtime.streams import side_stream
 from infinigen.tensor_parallel import head_shard
-
-
-@dataclass
-class Diagnostics:
-    """Switches and probes of ``infinigen bench --breakdown`` and ``infinigen eval --recall``; the
-    defaults change nothing.
-
-    - ``move_rows`` False: skip the row moves (a step's compute alone);
-    - ``select_rows`` False: each layer refetches its previous selection instead of selecting anew
-      (what selecting costs, by difference);
-    - ``kept_gathers`` a list: each gather's arguments are appended, to replay them alone (transfer only);
-    - ``decode_probe``: called as probe(layer, query (B, H, 1, d)) at each decode attention of an
-      offloaded layer.
-    """
-
-    move_rows: bool = True
-    select_rows: bool = True
-    kept_gathers: list[tuple] | None = None
-    decode_probe: Callable[[OffloadedLayer, torch.Tensor], None] | None = None
 
 
 class InfinigenCache(Cache):
@@ -110,6 +92,7 @@ class InfinigenCache(Cache):
         cuda = self.device.type == "cuda"
         self.stream = side_stream(self.device, "transfer") if cuda else None  # row moves
         self.selection_stream = side_stream(self.device, "selection") if cuda else None
+        self.selected_aside = False  # whether the running forward has queued work on it (``join_selections``)
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.host_blocks = HostBlocks(self.device)  # the pools' blocks, made ahead of each prefill
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # eager steps' waits
@@ -350,8 +333,9 @@ class InfinigenCache(Cache):
         moved = rows[:, :, :, :k]
         if layer.policy.codec is not None:  # rows move compressed; ``wait`` decodes them
             packed = moved = self._buffer("packed", parity, (batch, kv_heads, 2, k, layer.pool.shape[-1]), layer.dtype)
+        selection_end = self._selection_end()
         ready = self._move(layer, indices, count, moved)
-        return Fetched(rows, valid, indices, ready, packed, layer.policy.codec)
+        return Fetched(rows, valid, indices, ready, selection_end, packed, layer.policy.codec)
 
     def _fetch_new_rows(self, layer: OffloadedLayer, indices, count, valid, step: bool) -> Fetched:
         """``fetch`` with row reuse: the rows selected again stay where they are on the GPU, and only
@@ -360,23 +344,47 @@ class InfinigenCache(Cache):
         k, extra = indices.shape[-1], self.resident_extra
         resident = layer.resident_rows(reuse.resident_positions(k, extra))
         placement = resident.place(indices, valid[:, :, :k], keep_recent=extra > 0)
-        selected = count if count is not None else k
-        # attended: the selection, and with ``resident_extra`` the rows of earlier steps held with it
-        attended = placement.attend.sum(dim=-1).double().mean(dim=1) if extra else selected
-        self._count(layer, placement.count.double().mean(dim=1), selected, attended, step)
         slots = resident.slots.clamp(min=0)
+        # eagerly, the statistics' cached tokens, read before the token's store may change the validity
+        cached = None if self.capturing else layer.cached_tokens()
+        selection_end = self._selection_end()
         # the move starts after everything the compute stream reads from this stream (its ready event)
         ready = self._move(layer, placement.missing, placement.count, resident.rows, placement.destination)
-        return Fetched(resident.rows, placement.attend, slots, ready)
+        # the statistics once the move is queued: off the path from the selection to the rows. They read
+        # the held positions alone: the compute stream sets the token's (the last) after ``selection_end``.
+        selected = count if count is not None else k
+        # attended: the selection, and with ``resident_extra`` the rows of earlier steps held with it
+        attended = placement.attend[:, :, :-1].sum(dim=-1).double().mean(dim=1) if extra else selected
+        self._count(layer, placement.count.double().mean(dim=1), selected, attended, step, cached)
+        return Fetched(resident.rows, placement.attend, slots, ready, selection_end)
 
-    def _count(self, layer: OffloadedLayer, moved, selected=None, attended=None, step: bool = True) -> None:
+    def _count(
+        self, layer: OffloadedLayer, moved, selected=None, attended=None, step: bool = True, cached=None
+    ) -> None:
         """A fetch's statistics: rows per head moved (B,) or int, and selected and attended where those
-        differ (row reuse); a captured step's are recorded after each replay (``replayed``)."""
+        differ (row reuse); a captured step's are recorded after each replay (``replayed``).
+        ``cached``: the layer's ``cached_tokens()`` where read earlier (None: read now)."""
         if self.capturing:
             layer.captured_moved, layer.captured_counts = moved, (selected, attended)
         else:
-            cached = layer.cached_tokens()
+            cached = layer.cached_tokens() if cached is None else cached
             layer.stats.record(moved, cached, *layer.valid.shape[:2], selected=selected, attended=attended, step=step)
+
+    def _selection_end(self) -> torch.cuda.Event | None:
+        """An event after a fetch's selection, where it ran (None on CPU): from it the compute stream may
+        store the step's token, which changes what the selection read, while the rows move."""
+        event = torch.cuda.Event() if self.stream is not None else None
+        if event is not None:
+            event.record()
+        return event
+
+    def join_selections(self) -> None:
+        """At the end of a forward that selected on the side, the compute stream waits for the selection
+        stream's work: the fetch statistics queued after each move, which no ready event covers (a
+        captured step's work must all join its stream; a stream it never forked must not)."""
+        if self.selected_aside:
+            self.selected_aside = False
+            torch.cuda.current_stream(self.device).wait_stream(self.selection_stream)
 
     def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
@@ -394,11 +402,13 @@ class InfinigenCache(Cache):
             return prefetch()
         compute = torch.cuda.current_stream(self.device)
         side.wait_stream(compute)
+        self.selected_aside = True
         with torch.cuda.stream(side):
             fetched = prefetch()
             if fetched.ready is None:  # rows not moved (--breakdown): the compute stream meets the selection
                 fetched.ready = torch.cuda.Event()
                 fetched.ready.record(side)
+                fetched.selection_end = fetched.ready
         # the allocator must not hand these blocks to other work while the other stream may still read them
         for tensor in inputs:
             tensor.record_stream(side)
@@ -430,7 +440,9 @@ class InfinigenCache(Cache):
             layer.pool.gather(indices, count, out, destination)
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        for tensor in (indices, count, destination):  # this step's (``out`` is recorded where it is allocated)
+        # this step's (``out`` is recorded where it is allocated), and the block table, which the
+        # token's store may replace while the rows move (``RowPool.reserve``)
+        for tensor in (indices, count, destination, layer.pool.block_table):
             if tensor is not None:
                 tensor.record_stream(self.stream)
         return ready
@@ -441,10 +453,15 @@ class InfinigenCache(Cache):
             self.slot_range = torch.arange(max(n, 2 * self.slot_range.numel()), device=self.device)
         return self.slot_range[:n]
 
-    def wait(self, fetched: Fetched) -> None:
-        """Make the compute stream wait for a prefetch (timed with events), then decode compressed rows.
-        While a step is captured the events become graph nodes (``external``): each replay records
-        them again, so the last replay's waits can be read."""
+    def wait(self, fetched: Fetched, selection_only: bool = False) -> None:
+        """Make the compute stream wait for a prefetch (timed with events), then decode compressed rows;
+        ``selection_only``: for the end of its selection alone. While a step is captured the events
+        become graph nodes (``external``): each replay records them again, so the last replay's waits
+        can be read."""
+        if selection_only:
+            if fetched.selection_end is not None:
+                torch.cuda.current_stream(self.device).wait_event(fetched.selection_end)
+            return
         if fetched.ready is not None:
             before, after = (torch.cuda.Event(enable_timing=True, external=self.capturing) for _ in range(2))
             before.record()

@@ -115,11 +115,14 @@ class Attachment:
             self.running.ropes[layer_type] = output
 
     def _end(self, *hook_args) -> None:
-        """After the stack's forward, or its exception: the model's own implementation again."""
-        own, self.own, self.running = self.own, [], None
+        """After the stack's forward, or its exception: the model's own implementation again, and the
+        running cache's selection stream joined to the compute stream (``join_selections``)."""
+        own, self.own, running, self.running = self.own, [], self.running, None
         if own:  # the forward was given one of our caches
             for config, implementation in zip(self.configs, own, strict=True):
                 config._attn_implementation_internal = implementation
+        if running is not None:
+            running.join_selections()
 
 
 def _attention_configs(model: PreTrainedModel) -> list[PreTrainedConfig]:

@@ -121,6 +121,7 @@ class Fetched:
     valid: torch.Tensor  # (B, kv_heads, K + 1) bool
     indices: torch.Tensor  # (B, kv_heads, K) the slots fetched
     ready: torch.cuda.Event | None  # recorded on the transfer stream when the moved rows are complete
+    selection_end: torch.cuda.Event | None = None  # recorded where the selection ran, after it
     packed: torch.Tensor | None = None  # (B, kv_heads, 2, K, stored_dim) as moved, decoded by ``codec``
     codec: RowCodec | None = None
 
@@ -344,12 +345,18 @@ class OffloadedLayer(_Layer):
         fetched = self.fetched if self.fetched is not None else self.cache.fetch(self, self.every_slot())
         self.fetched = None
         self.attended_fetch = fetched
-        self.cache.wait(fetched)
+        # The token's own work runs while the rows still move: its row beside them (the last position,
+        # which no move writes) and its store, once the selection has read what the store changes. A
+        # full pool stores after the rows arrive instead: its token overwrites a slot a move may read.
+        overlapped = self.appends()
+        self.cache.wait(fetched, selection_only=overlapped)
         rows, valid = fetched.rows, fetched.valid
         rows[:, :, 0, -1] = key_states[:, :, 0]
         rows[:, :, 1, -1] = value_states[:, :, 0]
         valid[:, :, -1] = True
         self._store_token(key_states, value_states)
+        if overlapped:
+            self.cache.wait(fetched)
         self.attention_valid = valid
         if self.policy.observes_attention:
             self.attention_slots = torch.cat([fetched.indices, self.current_slots[..., None]], dim=-1)

@@ -72,9 +72,11 @@ def always_fetched(layer: LayerView, n: int, sinks: int, recent: int, budget: fl
     if sinks == 0 and recent == 0:
         return None
     slots, valid = layer.all_slots(n), layer.valid[:, :, :n]
-    first = valid.int().argmax(dim=-1, keepdim=True)  # (B, kv_heads, 1): the first cached slot
     window = (valid.sum(dim=-1, keepdim=True) * (budget / 2)).long().clamp(max=recent)  # (B, kv_heads, 1)
-    always = (slots < first + sinks) | (slots >= layer.device_used() - window)
+    always = slots >= layer.device_used() - window
+    if sinks:  # (the default has none: the first cached slot costs two kernels a layer and step)
+        first = valid.int().argmax(dim=-1, keepdim=True)  # (B, kv_heads, 1): the first cached slot
+        always |= slots < first + sinks
     return always & valid
 
 
