@@ -1,12 +1,16 @@
-"""Which 8-bit format for pool rows (``kv_bits`` 8): perplexity of SmolLM2 decoding through the
-runtime with every offloaded layer's new rows rounded to each candidate as they are written (what a
-gather dequantises is exactly that round trip), teacher-forced over the decoded part of each window.
+"""Which format for 8-bit pool rows (``kv_bits`` 8), and whether 4 bits would do: perplexity of SmolLM2
+decoding through the runtime with every offloaded layer's new rows rounded to each candidate as they are
+written (what a gather dequantises is exactly that round trip), teacher-forced over the decoded part of
+each window.
 
 - int8: the runtime's ``int8_rows`` (codes with a float32 scale absmax / 127 per token, KV head, K/V);
 - fp8-scaled: float8 e4m3 with a scale absmax / 448 per token, KV head, K/V (the same bytes);
-- fp8: float8 e4m3 alone (no scale, 4 bytes fewer per row; values beyond +-448 saturate).
+- fp8: float8 e4m3 alone (no scale, 4 bytes fewer per row; values beyond +-448 saturate);
+- int4-gN: 4-bit codes with a float16 minimum and scale per group of N channels (the ``int4``
+  policy's codec, asymmetric as in KIVI): 4 + 32 / N bits a value.
 
-    python benchmarks/kv_bits_formats.py BOOK.txt 2048 1792 2      # text, window, prefix, windows
+    python benchmarks/kv_bits_formats.py BOOK.txt 2048 1792 2               # text, window, prefix, windows
+    python benchmarks/kv_bits_formats.py BOOK.txt 2048 1792 2 int4-g32,int4-g16   # only these (and 16-bit)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from infinigen.eval.decoding import read_text, teacher_forced_nll, windows
 from infinigen.models import load_model
 from infinigen.runtime import cache_for, int8_rows
 from infinigen.runtime.layers import OffloadedLayer
+from infinigen.runtime.policies.int4 import GroupQuantizer
 
 E4M3_MAX = 448.0
 
@@ -39,15 +44,28 @@ def fp8(rows: torch.Tensor) -> torch.Tensor:
     return rows.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(rows.dtype)
 
 
+def int4(group: int):
+    codec = GroupQuantizer(bits=4, group=group)
+
+    def round_trip(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(rows)
+        codec.decode(codec.encode(rows), out)
+        return out
+
+    return round_trip
+
+
 FORMATS = {"16-bit": None, "int8": int8, "fp8-scaled": fp8_scaled, "fp8": fp8}
+FORMATS |= {f"int4-g{group}": int4(group) for group in (64, 32, 16)}
 
 
-def main(text: str, window: int, prefix: int, count: int) -> None:
+def main(text: str, window: int, prefix: int, count: int, names: list[str]) -> None:
     loaded = load_model(None, device="cpu", dtype="float32")
     ids = windows(loaded.tokenizer, read_text(text), window, count)
     encoded = OffloadedLayer._encoded
     reference = None
-    for name, round_trip in FORMATS.items():
+    for name in ["16-bit", *names]:
+        round_trip = FORMATS[name]
 
         def rounded(layer, keys, values, round_trip=round_trip):
             return encoded(layer, *round_trip(torch.stack([keys, values], dim=3)).unbind(3))
@@ -67,4 +85,5 @@ def main(text: str, window: int, prefix: int, count: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    chosen = sys.argv[5].split(",") if len(sys.argv) > 5 else [name for name in FORMATS if name != "16-bit"]
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), chosen)

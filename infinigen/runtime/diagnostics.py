@@ -15,18 +15,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Diagnostics:
-    """Switches and probes of ``infinigen bench --breakdown`` and ``infinigen eval --recall``; the
-    defaults change nothing.
-
-    - ``move_rows`` False: skip the row moves (a step's compute alone);
-    - ``select_rows`` False: each layer refetches its previous selection instead of selecting anew
-      (what selecting costs, by difference);
-    - ``kept_gathers`` a list: each gather's arguments are appended, to replay them alone (transfer only);
-    - ``decode_probe``: called as probe(layer, query (B, H, 1, d)) at each decode attention of an
-      offloaded layer.
-    """
-
-    move_rows: bool = True
+    move_rows: bool = True  # False: skip the row moves (a step's compute alone)
+    # False: each layer refetches its previous selection instead of selecting anew (its cost, by difference)
     select_rows: bool = True
-    kept_gathers: list[tuple] | None = None
+    kept_gathers: list[tuple] | None = None  # a list: every gather's arguments, to replay them alone (transfer only)
+    # called as probe(layer, query (B, H, 1, d)) at each decode attention of an offloaded layer
     decode_probe: Callable[[OffloadedLayer, torch.Tensor], None] | None = None
