@@ -33,8 +33,13 @@ def kernels(batch: int, context: int, budget: float, model, artifact, settings: 
     return step_ms, [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
 
 
+def row_moves(events: list[dict]) -> list[dict]:
+    """The row gathers (``transfer._gather_kernel``), not PyTorch's own gather kernels of the selection."""
+    return [e for e in events if e["name"] == "_gather_kernel"]
+
+
 def report(batch: int, context: int, budget: float, step_ms: float, events: list[dict]) -> None:
-    gathers = sorted((e for e in events if "gather" in e["name"]), key=lambda e: e["ts"])
+    gathers = sorted(row_moves(events), key=lambda e: e["ts"])
     per_step = len(gathers) // STEPS
     print(f"\n{batch} x {context}, infinigen {budget}: step {step_ms:.2f} ms (median), {per_step} gathers a step")
     for s in range(1, STEPS):  # step 0 starts with the profiler
@@ -56,7 +61,7 @@ def chain(events: list[dict]) -> None:
     """Every kernel from ~1.5 ms before a gather in the middle of step 3 to its end, in start order:
     T transfer, S selection, C compute stream (C kernels under 3 us left out)."""
     events = sorted(events, key=lambda e: e["ts"])
-    gathers = [e for e in events if "gather" in e["name"]]
+    gathers = row_moves(events)
     transfer = gathers[0]["args"]["stream"]
     counts: dict = {}
     for e in events:
