@@ -219,35 +219,7 @@ class InfinigenCache(Cache):
             self.resident_extra = extra
         return self.reuse is not None and self.reuse.on
 
-    # --- transfers ---------------------------------------------------------------------------
-
-    def _buffer(self, name: str, parity: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A view of a reusable staging buffer; two per name (double buffering across layers)."""
-        numel = math.prod(shape)
-        buffer = self.buffers.get((name, parity))
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
-            old = 0 if buffer is None else buffer.numel()
-            buffer = self.on_both_streams(torch.empty(max(numel, 2 * old), dtype=dtype, device=self.device))
-            self.buffers[name, parity] = buffer
-        return buffer[:numel].view(shape)
-
-    def on_both_streams(self, buffer: torch.Tensor) -> torch.Tensor:
-        """``buffer``, which the transfer stream writes: the allocator must not reuse its memory while
-        that stream may still do so."""
-        if self.stream is not None:
-            buffer.record_stream(self.stream)
-        return buffer
-
-    def captures(self, layer: OffloadedLayer) -> bool:
-        """Whether ``layer``'s selection runs as its own CUDA graph: on CUDA, with an
-        unlimited pool (eviction bookkeeping counts steps on the host), under transformers' own loop
-        (a ``StepGraph`` captures whole steps instead)."""
-        return not self.driven and self._capturable(layer)
-
-    def _capturable(self, layer: OffloadedLayer) -> bool:
-        return self.config.cuda_graphs and self.stream is not None and layer.max_tokens is None
-
-    # --- decode steps --------------------------------------------------------------------------
+    # --- decode steps ------------------------------------------------------------------------
 
     def begin_decode_step(self) -> None:
         """Host only, before each decode step: the device-side ``slot`` its token goes to (the same in
@@ -271,6 +243,15 @@ class InfinigenCache(Cache):
             return None
         return tuple(layer.capacity for layer in self.layers), self.diagnostics.move_rows, self.diagnostics.select_rows
 
+    def captures(self, layer: OffloadedLayer) -> bool:
+        """Whether ``layer``'s selection runs as its own CUDA graph: on CUDA, with an
+        unlimited pool (eviction bookkeeping counts steps on the host), under transformers' own loop
+        (a ``StepGraph`` captures whole steps instead)."""
+        return not self.driven and self._capturable(layer)
+
+    def _capturable(self, layer: OffloadedLayer) -> bool:
+        return self.config.cuda_graphs and self.stream is not None and layer.max_tokens is None
+
     def cached_tokens(self) -> torch.Tensor | int:
         """Tokens cached per batch row (``OffloadedLayer.cached_tokens``). In a capturable step every
         pool is unlimited, so every offloaded layer holds the same slots: one layer answers for all."""
@@ -291,6 +272,8 @@ class InfinigenCache(Cache):
         if not captured:
             for layer in self.layers:
                 layer.advance()
+
+    # --- fetches -----------------------------------------------------------------------------
 
     def fetch_mask(self, layer: OffloadedLayer, selection: Selection) -> torch.Tensor:
         """Which fetched rows attention may read: (B, kv_heads, K + 1) bool, the last for the current
@@ -358,9 +341,7 @@ class InfinigenCache(Cache):
         self._count(layer, placement.count.double().mean(dim=1), selected, attended, step, cached)
         return Fetched(resident.rows, placement.attend, slots, ready, selection_end)
 
-    def _count(
-        self, layer: OffloadedLayer, moved, selected=None, attended=None, step: bool = True, cached=None
-    ) -> None:
+    def _count(self, layer: OffloadedLayer, moved, selected=None, attended=None, step=True, cached=None) -> None:
         """A fetch's statistics: rows per head moved (B,) or int, and selected and attended where those
         differ (row reuse); a captured step's are recorded after each replay (``replayed``).
         ``cached``: the layer's ``cached_tokens()`` where read earlier (None: read now)."""
@@ -370,33 +351,28 @@ class InfinigenCache(Cache):
             cached = layer.cached_tokens() if cached is None else cached
             layer.stats.record(moved, cached, *layer.valid.shape[:2], selected=selected, attended=attended, step=step)
 
-    def _selection_end(self) -> torch.cuda.Event | None:
-        """An event after a fetch's selection, where it ran (None on CPU): from it the compute stream may
-        store the step's token, which changes what the selection read, while the rows move."""
-        event = torch.cuda.Event() if self.stream is not None else None
-        if event is not None:
-            event.record()
-        return event
+    def all_slots(self, n: int) -> torch.Tensor:
+        """arange(n) on the device, cached."""
+        if self.slot_range.numel() < n:
+            self.slot_range = torch.arange(max(n, 2 * self.slot_range.numel()), device=self.device)
+        return self.slot_range[:n]
 
-    def join_selections(self) -> None:
-        """At the end of a forward that selected on the side, the compute stream waits for the selection
-        stream's work: the fetch statistics queued after each move, which no ready event covers (a
-        captured step's work must all join its stream; a stream it never forked must not)."""
-        if self.selected_aside:
-            self.selected_aside = False
-            torch.cuda.current_stream(self.device).wait_stream(self.selection_stream)
+    def _buffer(self, name: str, parity: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A view of a reusable staging buffer; two per name (double buffering across layers)."""
+        numel = math.prod(shape)
+        buffer = self.buffers.get((name, parity))
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            old = 0 if buffer is None else buffer.numel()
+            buffer = self.on_both_streams(torch.empty(max(numel, 2 * old), dtype=dtype, device=self.device))
+            self.buffers[name, parity] = buffer
+        return buffer[:numel].view(shape)
 
-    def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
-        """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
-        if self.diagnostics.kept_gathers is not None:
-            self.diagnostics.kept_gathers.append((layer.pool, indices, count, out, destination))
-        return self._gather(layer, indices, count, out, destination) if self.diagnostics.move_rows else None
+    # --- streams: selections and row moves beside the compute --------------------------------
 
     def aside(self, prefetch: Callable[[], Fetched], inputs: tuple[torch.Tensor, ...]) -> Fetched:
-        """Run ``prefetch`` (a layer's selection and fetch) on the selection stream, after the compute
-        stream's work so far: the compute stream goes on with the current layer meanwhile and meets
-        the result at the fetch's ready event. ``inputs``: compute-stream tensors it reads. Inline
-        on CPU."""
+        """Run ``prefetch`` (a layer's selection and fetch) on the selection stream after the compute
+        stream's work so far; the compute stream goes on with the current layer meanwhile and meets the
+        result at the fetch's events. ``inputs``: compute-stream tensors it reads. Inline on CPU."""
         side = self.selection_stream
         if side is None:
             return prefetch()
@@ -416,18 +392,19 @@ class InfinigenCache(Cache):
             tensor.record_stream(compute)
         return fetched
 
-    def store(self, layer: OffloadedLayer, start: int, rows: torch.Tensor) -> None:
-        """A multi-token step's rows (B, kv_heads, T, 2, d) into the layer's pool from slot ``start``:
-        on CUDA on the transfer stream, after the compute stream's work so far, so that the copies
-        (all of the prompt's KV over the bus) run beside the next layers' compute instead of holding
-        the compute stream. Every later read of the pool is a gather on that same stream."""
-        if self.stream is None:
-            layer.pool.write_range(start, rows)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            layer.pool.write_range(start, rows)
-        rows.record_stream(self.stream)
+    def _selection_end(self) -> torch.cuda.Event | None:
+        """An event after a fetch's selection, where it ran (None on CPU): from it the compute stream may
+        store the step's token, which changes what the selection read, while the rows move."""
+        event = torch.cuda.Event() if self.stream is not None else None
+        if event is not None:
+            event.record()
+        return event
+
+    def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
+        """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
+        if self.diagnostics.kept_gathers is not None:
+            self.diagnostics.kept_gathers.append((layer.pool, indices, count, out, destination))
+        return self._gather(layer, indices, count, out, destination) if self.diagnostics.move_rows else None
 
     def _gather(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The row move itself: inline on CPU; on CUDA on the transfer stream, after the current
@@ -447,11 +424,18 @@ class InfinigenCache(Cache):
                 tensor.record_stream(self.stream)
         return ready
 
-    def all_slots(self, n: int) -> torch.Tensor:
-        """arange(n) on the device, cached."""
-        if self.slot_range.numel() < n:
-            self.slot_range = torch.arange(max(n, 2 * self.slot_range.numel()), device=self.device)
-        return self.slot_range[:n]
+    def store(self, layer: OffloadedLayer, start: int, rows: torch.Tensor) -> None:
+        """A multi-token step's rows (B, kv_heads, T, 2, d) into the layer's pool from slot ``start``:
+        on CUDA on the transfer stream, after the compute stream's work so far, so that the copies
+        (all of the prompt's KV over the bus) run beside the next layers' compute instead of holding
+        the compute stream. Every later read of the pool is a gather on that same stream."""
+        if self.stream is None:
+            layer.pool.write_range(start, rows)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            layer.pool.write_range(start, rows)
+        rows.record_stream(self.stream)
 
     def wait(self, fetched: Fetched, selection_only: bool = False) -> None:
         """Make the compute stream wait for a prefetch (timed with events), then decode compressed rows;
@@ -470,6 +454,21 @@ class InfinigenCache(Cache):
             (self.step_wait_events if self.capturing else self.wait_events).append((before, after))
         if fetched.packed is not None:
             fetched.codec.decode(fetched.packed, fetched.rows[:, :, :, : fetched.packed.shape[3]])
+
+    def join_selections(self) -> None:
+        """At the end of a forward that selected on the side, the compute stream waits for the selection
+        stream's work: the fetch statistics queued after each move, which no ready event covers (a
+        captured step's work must all join its stream; a stream it never forked must not)."""
+        if self.selected_aside:
+            self.selected_aside = False
+            torch.cuda.current_stream(self.device).wait_stream(self.selection_stream)
+
+    def on_both_streams(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer``, which the transfer stream writes: the allocator must not reuse its memory while
+        that stream may still do so."""
+        if self.stream is not None:
+            buffer.record_stream(self.stream)
+        return buffer
 
     def summary(self) -> dict:
         if self.wait_events or self.step_wait_events:
