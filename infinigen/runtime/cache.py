@@ -341,7 +341,9 @@ class InfinigenCache(Cache):
         self._count(layer, placement.count.double().mean(dim=1), selected, attended, step, cached)
         return Fetched(resident.rows, placement.attend, slots, ready, selection_end)
 
-    def _count(self, layer: OffloadedLayer, moved, selected=None, attended=None, step=True, cached=None) -> None:
+    def _count(
+        self, layer: OffloadedLayer, moved, selected=None, attended=None, step: bool = True, cached=None
+    ) -> None:
         """A fetch's statistics: rows per head moved (B,) or int, and selected and attended where those
         differ (row reuse); a captured step's are recorded after each replay (``replayed``).
         ``cached``: the layer's ``cached_tokens()`` where read earlier (None: read now)."""
@@ -395,10 +397,7 @@ class InfinigenCache(Cache):
     def _selection_end(self) -> torch.cuda.Event | None:
         """An event after a fetch's selection, where it ran (None on CPU): from it the compute stream may
         store the step's token, which changes what the selection read, while the rows move."""
-        event = torch.cuda.Event() if self.stream is not None else None
-        if event is not None:
-            event.record()
-        return event
+        return torch.cuda.current_stream(self.device).record_event() if self.stream is not None else None
 
     def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
         """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
