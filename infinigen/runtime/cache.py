@@ -417,7 +417,7 @@ class InfinigenCache(Cache):
             ready = torch.cuda.Event()
             ready.record(self.stream)
         # this step's (``out`` is recorded where it is allocated), and the block table, which the
-        # token's store may replace while the rows move (``RowPool.reserve``)
+        # token's store may replace while the rows move (``KVPool.reserve``)
         for tensor in (indices, count, destination, layer.pool.block_table):
             if tensor is not None:
                 tensor.record_stream(self.stream)
