@@ -23,6 +23,8 @@ from profiling import profiled_steps, settings_from
 from infinigen.bench.shapes import random_artifact, random_model
 
 STEPS = 6
+TOP = 6  # kernels listed per stream
+SELECTION = {"_quantized_scores_kernel", "_histogram_kernel"}  # kernels only the selection stream runs
 
 
 def kernels(batch: int, context: int, budget: float, model, artifact, settings: dict) -> tuple[float, list[dict]]:
@@ -47,14 +49,19 @@ def report(batch: int, context: int, budget: float, step_ms: float, events: list
         gaps = [(b["ts"] - a["ts"] - a["dur"]) / 1e3 for a, b in zip(chunk, chunk[1:], strict=False)]
         busy = sum(g["dur"] for g in chunk[1:]) / 1e3
         print(f"  step {s}: boundary {gaps[0]:.3f} ms, gaps inside {sum(gaps[1:]):.3f} ms, gathers {busy:.3f} ms")
-    transfer = gathers[0]["args"]["stream"]
     streams: dict = {}
     for e in events:
-        streams.setdefault(e["args"].get("stream"), []).append(e["dur"])
-    for stream, durations in streams.items():
-        role = "transfer" if stream == transfer else "compute or selection"
-        per_step_ms = sum(durations) / 1e3 / STEPS
-        print(f"  stream {stream} ({role}): {len(durations) // STEPS} kernels, {per_step_ms:.2f} ms a step")
+        streams.setdefault(e["args"].get("stream"), []).append(e)
+    for stream, kernels in streams.items():
+        names = {e["name"] for e in kernels}
+        role = "transfer" if "_gather_kernel" in names else "selection" if SELECTION & names else "compute"
+        per_step_ms = sum(e["dur"] for e in kernels) / 1e3 / STEPS
+        print(f"  stream {stream} ({role}): {len(kernels) // STEPS} kernels, {per_step_ms:.2f} ms a step; most time:")
+        by_name: dict = {}
+        for e in kernels:
+            by_name[e["name"]] = by_name.get(e["name"], 0) + e["dur"]
+        for name, total in sorted(by_name.items(), key=lambda item: -item[1])[:TOP]:
+            print(f"    {total / 1e3 / STEPS:6.2f} ms  {name[:80]}")
 
 
 def chain(events: list[dict]) -> None:
@@ -63,10 +70,7 @@ def chain(events: list[dict]) -> None:
     events = sorted(events, key=lambda e: e["ts"])
     gathers = row_moves(events)
     transfer = gathers[0]["args"]["stream"]
-    counts: dict = {}
-    for e in events:
-        counts[e["args"]["stream"]] = counts.get(e["args"]["stream"], 0) + 1
-    selection = min((s for s in counts if s != transfer), key=lambda s: counts[s])
+    selection = next((e["args"]["stream"] for e in events if e["name"] in SELECTION), None)
     middle = gathers[3 * (len(gathers) // STEPS) + len(gathers) // STEPS // 3]
     window = [e for e in events if middle["ts"] - 1500 <= e["ts"] <= middle["ts"] + middle["dur"] + 300]
     for e in window:
