@@ -27,7 +27,7 @@ from infinigen.runtime.diagnostics import Diagnostics
 from infinigen.runtime.hooks import attach
 from infinigen.runtime.host_memory import HostBlocks
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer
-from infinigen.runtime.policies import Selection, make_policy, policy_class
+from infinigen.runtime.policies import Policy, Selection, make_policy, policy_class
 from infinigen.runtime.pool import row_bytes
 from infinigen.runtime.sizing import offloaded_layer_indices, pool_limit
 from infinigen.runtime.sliding import SlidingLayer
@@ -37,24 +37,25 @@ from infinigen.runtime.streams import side_stream
 from infinigen.tensor_parallel import head_shard
 
 
+def _refuse_unsupported(config: RuntimeConfig, policy: type[Policy], head_dim: int, artifact: Artifact | None) -> None:
+    """What a cache cannot run with this policy, refused before anything is allocated."""
+    if policy.speculates and artifact is None:
+        raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
+    if config.reuse_rows == "on" and policy.codec is not None:
+        raise InfinigenError(f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed")
+    if config.kv_bits != 16 and not (policy.offloads and policy.plain_rows):
+        where = "keeps its KV on the device" if not policy.offloads else "stores rows in its own codes"
+        raise InfinigenError(f"kv_bits {config.kv_bits} is for policies that offload rows: {config.policy!r} {where}")
+    if config.kv_bits == 8 and head_dim % 4:  # the gather reads each row's scales as float32
+        raise InfinigenError(f"kv_bits 8 needs a head_dim that is a multiple of 4, not {head_dim}")
+
+
 class InfinigenCache(Cache):
     def __init__(self, model: PreTrainedModel, config: RuntimeConfig, artifact: Artifact | None = None) -> None:
         self.spec = model_spec(model.config)
         self.config = config
         self.policy_type = policy_class(config.policy)  # its flags; each offloaded layer holds an instance
-        if self.policy_type.speculates and artifact is None:
-            raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
-        if config.reuse_rows == "on" and self.policy_type.codec is not None:
-            raise InfinigenError(
-                f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed"
-            )
-        if config.kv_bits != 16 and not (self.policy_type.offloads and self.policy_type.plain_rows):
-            where = "keeps its KV on the device" if not self.policy_type.offloads else "stores rows in its own codes"
-            raise InfinigenError(
-                f"kv_bits {config.kv_bits} is for policies that offload rows: {config.policy!r} {where}"
-            )
-        if config.kv_bits == 8 and self.spec.head_dim % 4:  # the gather reads each row's scales as float32
-            raise InfinigenError(f"kv_bits 8 needs a head_dim that is a multiple of 4, not {self.spec.head_dim}")
+        _refuse_unsupported(config, self.policy_type, self.spec.head_dim, artifact)
         self.offloaded_indices = offloaded_layer_indices(model.config, config.dense_layers, self.policy_type.offloads)
         self.n_offloaded = len(self.offloaded_indices)
         if self.policy_type.speculates and 0 in self.offloaded_indices:
@@ -68,22 +69,7 @@ class InfinigenCache(Cache):
         self.layer_budgets, self.allocation = offloaded_budgets(
             config.budget, config.allocation, artifact if self.policy_type.budgeted else None, self.offloaded_indices
         )
-        budgets = dict(zip(self.offloaded_indices, self.layer_budgets, strict=True))
-        layers: list = []
-        for i, window in enumerate(sliding_windows(model.config)):
-            if window is not None:
-                layers.append(SlidingLayer(window, cache=self))
-            elif i not in budgets:
-                layers.append(DenseLayer(cache=self))
-            else:
-                speculator = None
-                if self.policy_type.speculates:
-                    param = next(model.parameters())
-                    speculator = LayerSpeculator(self.spec, artifact, i, blocks[i].self_attn, param.device, param.dtype)
-                layer_config = replace(config, budget=budgets[i])
-                policy = make_policy(layer_config)  # one instance per layer: it keeps the layer's selection state
-                layers.append(OffloadedLayer(i, policy, layer_config, speculator, blocks[i].self_attn, cache=self))
-        super().__init__(layers=layers)
+        super().__init__(layers=self._made_layers(model, blocks, artifact))
         # the running forward's rotary (cos, sin) by layer type (None: one for every layer; hooks.py)
         self.ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rope_types = tuple(getattr(model.config, "layer_types", None) or (None,) * self.spec.n_layers)
@@ -121,6 +107,26 @@ class InfinigenCache(Cache):
                 self.reuse, self.reuse_auto = reuse.Decision(False, "auto: no decode step yet"), True
         # last: a cache that failed to initialise leaves nothing on the model
         self._detach = weakref.finalize(self, attach(model, self))
+
+    def _made_layers(self, model: PreTrainedModel, blocks, artifact: Artifact | None) -> list:
+        """One layer per decoder block: sliding-window, dense (KV on the device), or offloaded with its
+        budget's share, its own policy instance (it keeps the layer's selection state) and speculator."""
+        budgets = dict(zip(self.offloaded_indices, self.layer_budgets, strict=True))
+        layers: list = []
+        for i, window in enumerate(sliding_windows(model.config)):
+            if window is not None:
+                layers.append(SlidingLayer(window, cache=self))
+            elif i not in budgets:
+                layers.append(DenseLayer(cache=self))
+            else:
+                speculator = None
+                if self.policy_type.speculates:
+                    param = next(model.parameters())
+                    speculator = LayerSpeculator(self.spec, artifact, i, blocks[i].self_attn, param.device, param.dtype)
+                layer_config = replace(self.config, budget=budgets[i])
+                policy = make_policy(layer_config)
+                layers.append(OffloadedLayer(i, policy, layer_config, speculator, blocks[i].self_attn, cache=self))
+        return layers
 
     def close(self) -> None:
         """Disconnect from the model (also done when the cache is collected): its hooks go with the
@@ -344,9 +350,8 @@ class InfinigenCache(Cache):
     def _count(
         self, layer: OffloadedLayer, moved, selected=None, attended=None, step: bool = True, cached=None
     ) -> None:
-        """A fetch's statistics: rows per head moved (B,) or int, and selected and attended where those
-        differ (row reuse); a captured step's are recorded after each replay (``replayed``).
-        ``cached``: the layer's ``cached_tokens()`` where read earlier (None: read now)."""
+        """A fetch's statistics: rows per head moved (B,) or int, selected and attended where they differ
+        (row reuse), ``cached``: ``layer.cached_tokens()`` if read earlier; a captured step's: ``replayed``."""
         if self.capturing:
             layer.captured_moved, layer.captured_counts = moved, (selected, attended)
         else:
@@ -395,8 +400,7 @@ class InfinigenCache(Cache):
         return fetched
 
     def _selection_end(self) -> torch.cuda.Event | None:
-        """An event after a fetch's selection, where it ran (None on CPU): from it the compute stream may
-        store the step's token, which changes what the selection read, while the rows move."""
+        """An event after a fetch's selection, where it ran (None on CPU): from it the token may be stored."""
         return torch.cuda.current_stream(self.device).record_event() if self.stream is not None else None
 
     def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
@@ -438,9 +442,8 @@ class InfinigenCache(Cache):
 
     def wait(self, fetched: Fetched, selection_only: bool = False) -> None:
         """Make the compute stream wait for a prefetch (timed with events), then decode compressed rows;
-        ``selection_only``: for the end of its selection alone. While a step is captured the events
-        become graph nodes (``external``): each replay records them again, so the last replay's waits
-        can be read."""
+        ``selection_only``: for the end of its selection alone. In a captured step the events are graph
+        nodes (``external``): each replay records them again, so the last replay's waits can be read."""
         if selection_only:
             if fetched.selection_end is not None:
                 torch.cuda.current_stream(self.device).wait_event(fetched.selection_end)
@@ -455,9 +458,8 @@ class InfinigenCache(Cache):
             fetched.codec.decode(fetched.packed, fetched.rows[:, :, :, : fetched.packed.shape[3]])
 
     def join_selections(self) -> None:
-        """At the end of a forward that selected on the side, the compute stream waits for the selection
-        stream's work: the fetch statistics queued after each move, which no ready event covers (a
-        captured step's work must all join its stream; a stream it never forked must not)."""
+        """After a forward that selected on the side, the compute stream waits for the selection stream's
+        work: the statistics queued after each move (a capture must join every stream it forked, only those)."""
         if self.selected_aside:
             self.selected_aside = False
             torch.cuda.current_stream(self.device).wait_stream(self.selection_stream)
