@@ -153,7 +153,7 @@ from infinigen.models import load_model
 from infinigen.prepare import prepare_artifact
 from infinigen.prepare.calibration import bundled_text
 from infinigen.runtime import cache_argument
-from infinigen.runtime.generation import generate_text
+from infinigen.runtime.text import generate_text
 from infinigen.tensor_parallel import leave_group, rank, together, world_size
 
 folder, artifact_folder, out = sys.argv[1:4]

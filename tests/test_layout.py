@@ -59,12 +59,21 @@ def test_config_and_command_line_start_without_torch():
     assert out.split() == ["False", "False"]
 
 
-@pytest.mark.parametrize("path", sorted(SCRIPTS.glob("*.py")), ids=lambda p: p.name)
+def package_imports(path: Path) -> list[ast.ImportFrom]:
+    """The ``from infinigen... import`` statements of a script: a Python file's, or those of the Python
+    a shell script embeds (its lines that are such statements)."""
+    text = path.read_text()
+    if path.suffix == ".sh":
+        text = "\n".join(line for line in text.splitlines() if line.startswith("from infinigen"))
+    found = (node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom))
+    return [node for node in found if (node.module or "").startswith("infinigen")]
+
+
+@pytest.mark.parametrize("path", sorted([*SCRIPTS.glob("*.py"), *SCRIPTS.glob("*.sh")]), ids=lambda p: p.name)
 def test_benchmark_scripts_import_names_the_package_has(path):
     """The scripts under benchmarks/ run only on a GPU: a renamed function must still fail here."""
     missing = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("infinigen"):
-            module = importlib.import_module(node.module)
-            missing += [f"{node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
+    for node in package_imports(path):
+        module = importlib.import_module(node.module)
+        missing += [f"{node.module}.{a.name}" for a in node.names if not hasattr(module, a.name)]
     assert not missing, f"{path.name} imports {missing}"
