@@ -30,7 +30,7 @@ E4M3_MAX = 448.0
 
 
 def int8(rows: torch.Tensor) -> torch.Tensor:
-    return int8_rows.decode(int8_rows.encode(rows), rows.dtype)
+    return int8_rows.decode(*int8_rows.encode(rows), rows.dtype)
 
 
 def fp8_scaled(rows: torch.Tensor) -> torch.Tensor:

@@ -238,15 +238,15 @@ def test_bench_plot_picks_the_sweeps_of_a_joined_report():
 
 def test_bench_sweeps_kv_bits_and_reports_the_bytes_moved():
     """``--kv-bits 16,8``: a row per format for the offloading policies (one for dense), 8-bit rows
-    moving head_dim + 4 bytes per K or V where float32 rows move 4 * head_dim (tiny-llama: 16)."""
+    moving head_dim bytes per K or V where float32 rows move 4 * head_dim (tiny-llama: 16)."""
     result = bench("--batch 1 --prompt-len 256 --gen-len 2 --policies dense,full --kv-bits 16,8 --json")
     assert result.exit_code == 0, result.output
     rows = strict_json(result.stdout)["results"]
     assert [(r["policy"], r.get("kv_bits")) for r in rows] == [("dense", None), ("full", 16), ("full", 8)]
-    assert rows[2]["h2d_mb_per_step"] == pytest.approx(rows[1]["h2d_mb_per_step"] * 20 / 64, abs=1e-3)  # MB, 3 places
+    assert rows[2]["h2d_mb_per_step"] == pytest.approx(rows[1]["h2d_mb_per_step"] * 16 / 64, abs=1e-3)  # MB, 3 places
     micro = strict_json(bench("--micro --micro-contexts 64 --kv-bits 16,8 --json").stdout)["gather"]
     assert [r["kv_bits"] for r in micro] == [16] * 5 + [8] * 5
-    assert [r["bytes"] * 20 for r in micro[:5]] == [r["bytes"] * 64 for r in micro[5:]]
+    assert [r["bytes"] * 16 for r in micro[:5]] == [r["bytes"] * 64 for r in micro[5:]]
 
 
 def test_bench_reserves_host_memory_before_its_cases(monkeypatch):

@@ -37,7 +37,7 @@ from infinigen.runtime.streams import side_stream
 from infinigen.tensor_parallel import head_shard
 
 
-def _refuse_unsupported(config: RuntimeConfig, policy: type[Policy], head_dim: int, artifact: Artifact | None) -> None:
+def _refuse_unsupported(config: RuntimeConfig, policy: type[Policy], artifact: Artifact | None) -> None:
     """What a cache cannot run with this policy, refused before anything is allocated."""
     if policy.speculates and artifact is None:
         raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
@@ -46,8 +46,6 @@ def _refuse_unsupported(config: RuntimeConfig, policy: type[Policy], head_dim: i
     if config.kv_bits != 16 and not (policy.offloads and policy.plain_rows):
         where = "keeps its KV on the device" if not policy.offloads else "stores rows in its own codes"
         raise InfinigenError(f"kv_bits {config.kv_bits} is for policies that offload rows: {config.policy!r} {where}")
-    if config.kv_bits == 8 and head_dim % 4:  # the gather reads each row's scales as float32
-        raise InfinigenError(f"kv_bits 8 needs a head_dim that is a multiple of 4, not {head_dim}")
 
 
 class InfinigenCache(Cache):
@@ -55,7 +53,7 @@ class InfinigenCache(Cache):
         self.spec = model_spec(model.config)
         self.config = config
         self.policy_type = policy_class(config.policy)  # its flags; each offloaded layer holds an instance
-        _refuse_unsupported(config, self.policy_type, self.spec.head_dim, artifact)
+        _refuse_unsupported(config, self.policy_type, artifact)
         self.offloaded_indices = offloaded_layer_indices(model.config, config.dense_layers, self.policy_type.offloads)
         self.n_offloaded = len(self.offloaded_indices)
         if self.policy_type.speculates and 0 in self.offloaded_indices:
@@ -420,9 +418,9 @@ class InfinigenCache(Cache):
             layer.pool.gather(indices, count, out, destination)
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        # this step's (``out`` is recorded where it is allocated), and the block table, which the
-        # token's store may replace while the rows move (``KVPool.reserve``)
-        for tensor in (indices, count, destination, layer.pool.block_table):
+        # this step's (``out`` is recorded where it is allocated), and the block table and 8-bit
+        # scales, which the token's store may replace while the rows move (``KVPool.reserve``)
+        for tensor in (indices, count, destination, layer.pool.block_table, layer.pool.scales):
             if tensor is not None:
                 tensor.record_stream(self.stream)
         return ready
@@ -431,7 +429,9 @@ class InfinigenCache(Cache):
         """A multi-token step's rows (B, kv_heads, T, 2, d) into the layer's pool from slot ``start``:
         on CUDA on the transfer stream, after the compute stream's work so far, so that the copies
         (all of the prompt's KV over the bus) run beside the next layers' compute instead of holding
-        the compute stream. Every later read of the pool is a gather on that same stream."""
+        the compute stream. Every later read of the pool is a gather on that same stream. (8-bit rows
+        are encoded first, on the compute stream, which writes their device-side scales.)"""
+        rows = layer.pool.encode_range(start, rows)
         if self.stream is None:
             layer.pool.write_range(start, rows)
             return
@@ -484,7 +484,7 @@ class InfinigenCache(Cache):
         if codec is not None:
             bits = codec.bits_per_value
         elif kv_bits == 8:
-            bits = int8_rows.bits_per_value(self.spec.head_dim)  # the scales included
+            bits = int8_rows.BITS_MOVED  # the scales stay on the device
         else:
             bits = 16  # 16-bit KV as the reference
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)

@@ -3,8 +3,9 @@
 Layout: blocks of ``[batch, kv_heads, block_tokens, 2, head_dim]`` (pinned on CUDA: ``host_memory``), so
 one token's K and V of one KV head form one contiguous row of ``2 * head_dim`` elements (512 B at
 head_dim 128 in float16): the unit every fetch moves. With ``kv_bits`` 8 a row holds each K and V
-as int8 codes and their scale (``int8_rows``): rows are quantised as they are written and
-dequantised by the gather. The pool grows block by block; nothing is ever copied to grow it.
+as int8 codes and their scales stay on the compute device (``scales``, ``int8_rows``): rows are
+quantised as they are written and dequantised by the gather. The pool grows block by block; nothing
+in host memory is ever copied to grow it.
 
 A prompt's rows go in as DMA copies (``write_range``); a decode step's rows and every fetch go
 through ``infinigen.runtime.transfer``: a zero-copy Triton kernel on CUDA (the GPU reads/writes
@@ -19,6 +20,7 @@ import weakref
 import torch
 
 from infinigen.runtime import int8_rows, transfer
+from infinigen.runtime.buffers import grown_to
 from infinigen.runtime.host_memory import HostBlocks, retire
 from infinigen.runtime.policies.base import RowCodec
 
@@ -29,10 +31,10 @@ def stored_width(head_dim: int, dtype: torch.dtype, codec: RowCodec | None) -> i
 
 
 def row_bytes(head_dim: int, dtype: torch.dtype, codec: RowCodec | None, kv_bits: int) -> int:
-    """Bytes of one pool row (K and V of one token and KV head) as stored: what sizes a limited pool
-    before any pool exists (``KVPool.row_bytes`` once one does)."""
+    """Bytes of one pool row (K and V of one token and KV head) in host memory: what sizes a limited
+    pool before any pool exists (``KVPool.row_bytes`` once one does)."""
     if kv_bits == 8:
-        return 2 * int8_rows.stored_bytes(head_dim)
+        return 2 * head_dim
     return 2 * stored_width(head_dim, dtype, codec) * dtype.itemsize
 
 
@@ -56,10 +58,9 @@ class KVPool:
         is the one they are written and gathered in. ``host``: where blocks come from (the cache's,
         which makes a prefill's blocks ahead of it)."""
         self.kv_bits = kv_bits
-        if kv_bits == 8:
-            width, dtype = int8_rows.stored_bytes(width), torch.uint8
+        self.dtype = dtype if kv_bits == 16 else torch.int8  # as stored
+        self.device = device
         self.shape = (batch, kv_heads, block_tokens, 2, width)
-        self.dtype, self.device = dtype, device  # as stored
         self.block_tokens = block_tokens
         # the CUDA gather's tuning (``RuntimeConfig.gather_rows``, ``gather_programs``): 8-bit rows
         # move fastest 8 a loop step, 16-bit ones 16 (``benchmarks/gather_tuning.py``)
@@ -69,6 +70,10 @@ class KVPool:
         self.blocks: list[torch.Tensor] = []
         weakref.finalize(self, retire, self.blocks, device)  # reused or freed once no queued work reads them
         self.block_table = torch.empty(0, dtype=torch.int64, device=device)  # data_ptr of each block
+        # 8-bit rows: (B, kv_heads, capacity, 2) float32, each slot's K and V scale, on the compute
+        # device. Written on the compute stream only (``encode_range``, ``write_slots``), beside the
+        # layer's other per-slot state; replaced (grown) only where the block table is
+        self.scales = torch.zeros(batch, kv_heads, 0, 2, device=device) if kv_bits == 8 else None
 
     @property
     def capacity(self) -> int:
@@ -76,7 +81,7 @@ class KVPool:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one (token, KV head) row: its K and V."""
+        """Bytes of one (token, KV head) row in host memory: its K and V (what a fetch moves)."""
         return 2 * self.shape[-1] * self.dtype.itemsize
 
     @property
@@ -101,14 +106,21 @@ class KVPool:
             table = torch.tensor([block.data_ptr() for block in self.blocks], dtype=torch.int64, pin_memory=pinned)
             # from pinned memory without waiting for the device (a pageable copy would wait for the queued work)
             self.block_table = table.to(self.device, non_blocking=True)
+            if self.scales is not None:
+                self.scales = grown_to(self.scales, self.capacity, 2)
 
-    def stored(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows (..., 2, d) as the pool stores them (quantised on their own device with ``kv_bits`` 8)."""
-        return int8_rows.encode(rows) if self.kv_bits == 8 else rows
+    def encode_range(self, start: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (batch, kv_heads, T, 2, d) for slots start .. start+T-1 as ``write_range`` takes them:
+        with ``kv_bits`` 8 their codes, their scales written into ``scales`` here (on the current stream)."""
+        if self.kv_bits == 16:
+            return rows
+        self.reserve(start + rows.shape[2])
+        codes, scales = int8_rows.encode(rows)
+        self.scales[:, :, start : start + rows.shape[2]] = scales
+        return codes
 
     def write_range(self, start: int, rows: torch.Tensor) -> None:
-        """Store rows (batch, kv_heads, T, 2, d) at slots start .. start+T-1 of every (batch, head)."""
-        rows = self.stored(rows)
+        """Store encoded rows (``encode_range``) at slots start .. start+T-1 of every (batch, head)."""
         end = start + rows.shape[2]
         self.reserve(end)
         for index in range(start // self.block_tokens, (end - 1) // self.block_tokens + 1):
@@ -127,7 +139,10 @@ class KVPool:
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""
-        transfer.scatter_rows(self, slots, self.stored(rows))
+        if self.kv_bits == 8:
+            rows, scales = int8_rows.encode(rows)
+            self.scales.scatter_(2, slots[:, :, None, None].expand(-1, -1, 1, 2), scales)
+        transfer.scatter_rows(self, slots, rows)
 
     def gather(self, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor, destination=None) -> None:
         """out[b, h, j] = row indices[b, h, j], for j < count[b] or count[b, h] (all j when count is None);

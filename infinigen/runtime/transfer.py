@@ -4,8 +4,9 @@ On CUDA with Triton, the GPU itself reads (gather) and writes (scatter) the sele
 pinned pool through unified addressing: no CPU-side index_select, no staging copy, no host sync;
 the number of rows to move can live on the GPU (``count``), so a data-dependent selection
 never round-trips to the host. 8-bit rows (``int8_rows``) move as stored and are dequantised by the
-gather itself, in registers, into the output's dtype: the bytes over PCIe halve and no second pass
-over the rows is needed. Elsewhere the same operations run as PyTorch indexing.
+gather itself, in registers, with their scales read from device memory, into the output's dtype:
+the bytes over PCIe halve and no second pass over the rows is needed. Elsewhere the same operations
+run as PyTorch indexing.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def gather_rows(
         chosen = blocks == index
         rows[chosen] = block[b[chosen], h[chosen], slots[chosen]]
     if pool.kv_bits == 8:
-        rows = int8_rows.decode(rows, out.dtype)
+        rows = int8_rows.decode(rows, pool.scales.cpu()[b, h, cpu_indices.clamp(0, pool.capacity - 1)], out.dtype)
     past_count = torch.zeros(batch, heads, k, dtype=torch.bool)
     if count is not None:  # rows past the count are zeros, as on CUDA (their slots may be unwritten)
         past_count = torch.arange(k) >= count.cpu().view(batch, -1, 1).expand(batch, heads, 1)
@@ -85,6 +86,7 @@ if triton is not None:
     @triton.jit
     def _gather_kernel(
         table,
+        scales,
         indices,
         count,
         out,
@@ -95,28 +97,25 @@ if triton is not None:
         count_head_stride,
         head_stride,
         plane_stride,
+        scale_head_stride,
         chunks_per_head,
         n_chunks,
         has_count: tl.constexpr,
         has_destination: tl.constexpr,
         block_tokens: tl.constexpr,
         head_dim: tl.constexpr,
-        stored_width: tl.constexpr,
         int8: tl.constexpr,
         row_pow2: tl.constexpr,
         rows_per_chunk: tl.constexpr,
     ):
         """Persistent: a bounded number of programs loop over all (batch*head, chunk of rows) pairs, so
         the gather keeps enough PCIe reads in flight while leaving SMs to the compute stream.
-        With ``int8``, a pool plane is ``stored_width`` bytes: head_dim codes, then the float32 scale
-        whose product with each code is what lands in ``out``."""
+        With ``int8``, a pool row is 2 * head_dim int8 codes; what lands in ``out`` is each code times
+        its plane's float32 scale, read from ``scales`` (B * H, capacity, 2) in device memory."""
         row = 2 * head_dim
         col = tl.arange(0, row_pow2)
         in_row = (col < row)[None, :]
-        # column c of a pool row lands in plane c // d (K or V), at c % d; 8-bit rows have a scale
-        # after each plane's codes
-        dst_col = (col // head_dim) * plane_stride + col % head_dim
-        code_col = (col // head_dim) * stored_width + col % head_dim
+        dst_col = (col // head_dim) * plane_stride + col % head_dim  # column c: plane c // d (K or V), at c % d
         for chunk in range(tl.program_id(0), n_chunks, tl.num_programs(0)):
             bh = chunk // chunks_per_head
             j = (chunk % chunks_per_head) * rows_per_chunk + tl.arange(0, rows_per_chunk)
@@ -126,17 +125,15 @@ if triton is not None:
             token = tl.load(indices + _offset(bh, k, j, 1), mask=live, other=0)
             base = tl.load(table + token // block_tokens, mask=live, other=0)
             pool_row = _offset(bh, block_tokens, token % block_tokens, 1)  # in the token's block
+            element = tl.int8 if int8 else out.dtype.element_ty
+            src = base.to(tl.pointer_type(element)) + pool_row * row
+            values = tl.load(src[:, None] + col[None, :], mask=live[:, None] & in_row, other=0)
             if int8:
-                src = base.to(tl.pointer_type(tl.int8)) + pool_row * (2 * stored_width)
-                codes = tl.load(src[:, None] + code_col[None, :], mask=live[:, None] & in_row, other=0)
-                scales = src + head_dim  # K's scale; V's a plane further
-                k_scale = tl.load(scales.to(tl.pointer_type(tl.float32)), mask=live, other=0)
-                v_scale = tl.load((scales + stored_width).to(tl.pointer_type(tl.float32)), mask=live, other=0)
+                at = scales + _offset(bh, scale_head_stride, token, 2)  # this slot's K scale; V's next
+                k_scale = tl.load(at, mask=live, other=0)
+                v_scale = tl.load(at + 1, mask=live, other=0)
                 scale = tl.where((col < head_dim)[None, :], k_scale[:, None], v_scale[:, None])
-                values = codes.to(tl.float32) * scale
-            else:
-                src = base.to(tl.pointer_type(out.dtype.element_ty)) + pool_row * row
-                values = tl.load(src[:, None] + col[None, :], mask=live[:, None] & in_row, other=0)
+                values = values.to(tl.float32) * scale
             if has_destination:  # rows kept between steps (row reuse) stay: only moved rows are written
                 position = tl.load(destination + _offset(bh, k, j, 1), mask=live, other=0)
                 written = live
@@ -174,8 +171,10 @@ def _launch_gather(
     n_chunks = batch * heads * chunks_per_head
     count = count.contiguous() if count is not None else None  # an expanded count has stride 0
     programs = pool.gather_programs or default_gather_programs(out.device)
+    scales = pool.scales if pool.kv_bits == 8 else pool.block_table
     _gather_kernel[(min(n_chunks, programs),)](
         pool.block_table,
+        scales,
         indices.contiguous(),
         count if count is not None else indices,
         out,
@@ -186,13 +185,13 @@ def _launch_gather(
         count.stride(1) if count is not None and count.dim() == 2 else 0,  # (B,): one count for every head
         out.stride(1),
         out.stride(2),
+        scales.stride(1) if pool.kv_bits == 8 else 0,
         chunks_per_head,
         n_chunks,
         has_count=count is not None,
         has_destination=destination is not None,
         block_tokens=pool.block_tokens,
         head_dim=head_dim,
-        stored_width=pool.shape[-1],
         int8=pool.kv_bits == 8,
         row_pow2=triton.next_power_of_2(row),
         rows_per_chunk=pool.gather_rows,
