@@ -176,8 +176,9 @@ def kernel_matches_pytorch(device: str) -> Placement:
         else:
             got = reuse._launch_place(kernel.slots, kernel.position_of, *on_device, kernel.age)
             want = reuse._place_recent(reference.slots, reference.position_of, reference.age, indices, selected)
-        got = Placement(*(t.cpu() for t in (got.missing, got.count, got.destination, got.attend)))
+        got = Placement(*(t.cpu() for t in (got.missing, got.count, got.destination, got.attend, got.held)))
         assert torch.equal(got.count, want.count) and torch.equal(got.attend, want.attend)
+        assert torch.equal(got.held, want.held) and torch.equal(want.held, want.attend.sum(-1, dtype=torch.int32))
         assert torch.equal(kernel.slots.cpu(), reference.slots) and torch.equal(kernel.age.cpu(), reference.age)
         assert torch.equal(kernel.position_of.cpu(), reference.position_of)
         for b in range(3):

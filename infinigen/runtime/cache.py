@@ -341,7 +341,7 @@ class InfinigenCache(Cache):
         # the held positions alone: the compute stream sets the token's (the last) after ``selection_end``.
         selected = count if count is not None else k
         # attended: the selection, and with ``resident_extra`` the rows of earlier steps held with it
-        attended = placement.attend[:, :, :-1].sum(dim=-1).double().mean(dim=1) if extra else selected
+        attended = placement.held.double().mean(dim=1) if extra else selected
         self._count(layer, placement.count.double().mean(dim=1), selected, attended, step, cached)
         return Fetched(resident.rows, placement.attend, slots, ready, selection_end)
 

@@ -58,8 +58,9 @@ if triton is not None:
         slots, position_of, missing, destination, attend, kept, start, end, n_moving, n_free, block: tl.constexpr
     ):
         """Positions [start, end): the rows not kept leave, and the moving rows take the free positions in
-        order (``n_free`` free positions before ``start``)."""
+        order (``n_free`` free positions before ``start``). Returns how many of them hold a row."""
         n_free += tl.zeros([], dtype=tl.int32)  # a tensor before the loop, where 0 may be passed as a constant
+        n_held = tl.zeros([], dtype=tl.int32)
         for first in range(start, end, block):
             p = first + tl.arange(0, block)
             live = p < end
@@ -76,10 +77,12 @@ if triton is not None:
             tl.store(slots + p, now, mask=live)
             tl.store(attend + p, (now >= 0).to(tl.int8), mask=live)
             n_free += tl.sum(free.to(tl.int32), axis=0)
+            n_held += tl.sum((live & (now >= 0)).to(tl.int32), axis=0)
+        return n_held
 
     @triton.jit
     def _place_kernel(
-        slots, position_of, indices, selected, missing, count, destination, attend, kept,
+        slots, position_of, indices, selected, missing, count, destination, attend, held, kept,
         k, positions, capacity, block: tl.constexpr,
     ):  # fmt: skip
         """``_place``: one (batch row, head) per program, over its own rows only."""
@@ -90,8 +93,9 @@ if triton is not None:
         n_moving = _mark_kept(
             slots, position_of, indices + bh * k, selected + bh * k, missing, count + bh, kept, k, positions, block
         )
-        _fill_free(slots, position_of, missing, destination, attend, kept, 0, positions, n_moving, 0, block)
+        n_held = _fill_free(slots, position_of, missing, destination, attend, kept, 0, positions, n_moving, 0, block)
         tl.store(attend + positions, 0)
+        tl.store(held + bh, n_held)
 
     @triton.jit
     def _eviction_key(slots, kept, age, p, live, age_cap: tl.constexpr):
@@ -133,9 +137,11 @@ if triton is not None:
         block: tl.constexpr, age_cap: tl.constexpr,
     ):  # fmt: skip
         """Positions [start, end): the places of key above the cut, and of the cut's key the first
-        ``ties_taken`` overall, take the next moving rows (``n_taken`` and ``n_ties`` taken / seen before)."""
+        ``ties_taken`` overall, take the next moving rows (``n_taken`` and ``n_ties`` taken / seen before).
+        Returns how many of the positions hold a row."""
         n_taken += tl.zeros([], dtype=tl.int32)  # a tensor before the loop, where 0 may be passed as a constant
         n_ties += tl.zeros([], dtype=tl.int32)
+        n_held = tl.zeros([], dtype=tl.int32)
         for first in range(start, end, block):
             p = first + tl.arange(0, block)
             live = p < end
@@ -155,10 +161,12 @@ if triton is not None:
             tl.store(attend + p, (now >= 0).to(tl.int8), mask=live)
             n_taken += tl.sum(take.to(tl.int32), axis=0)
             n_ties += tl.sum(tie.to(tl.int32), axis=0)
+            n_held += tl.sum((live & (now >= 0)).to(tl.int32), axis=0)
+        return n_held
 
     @triton.jit
     def _place_recent_kernel(
-        slots, position_of, age, indices, selected, missing, count, destination, attend, kept,
+        slots, position_of, age, indices, selected, missing, count, destination, attend, held, kept,
         k, positions, capacity, block: tl.constexpr, age_cap: tl.constexpr, key_bins: tl.constexpr,
     ):  # fmt: skip
         """``_place_recent``: the new rows take the ``count`` places of largest key, found from a
@@ -174,11 +182,12 @@ if triton is not None:
         counts = _age_and_count(slots, kept, age, 0, positions, block, age_cap, key_bins)
         tl.debug_barrier()
         low, ties_taken = _cut(counts, n_moving, age_cap, key_bins)
-        _take_places(
+        n_held = _take_places(
             slots, position_of, age, missing, destination, attend, kept, 0, positions, low, ties_taken, 0, 0,
             block, age_cap,
         )  # fmt: skip
         tl.store(attend + positions, 0)
+        tl.store(held + bh, n_held)
 
     # --- either placement over several programs per (batch row, head) ---------------------------------
     # At batch 1 a program per head leaves most of the GPU idle while each walks tens of thousands of
@@ -194,10 +203,13 @@ if triton is not None:
 
     @triton.jit
     def _split_mark_kernel(
-        position_of, indices, selected, kept, moving, k, positions, capacity, share_k, splits, block: tl.constexpr
-    ):
-        """Marks ``kept`` (zeroed before) for a share of the selected slots; their count not resident."""
+        position_of, indices, selected, kept, moving, held, k, positions, capacity, share_k, splits,
+        block: tl.constexpr,
+    ):  # fmt: skip
+        """Marks ``kept`` (zeroed before) for a share of the selected slots; their count not resident.
+        Zeroes ``held``, which the place kernel's shares add to."""
         bh, s = tl.program_id(0), tl.program_id(1)
+        tl.store(held + bh, 0, mask=s == 0)
         position_of += bh * capacity
         kept += bh * positions
         start, end = _share(s, k, share_k)
@@ -252,7 +264,7 @@ if triton is not None:
 
     @triton.jit
     def _split_place_kernel(
-        slots, position_of, age, missing, count, destination, attend, kept, counts,
+        slots, position_of, age, missing, count, destination, attend, held, kept, counts,
         k, positions, capacity, share_p, splits,
         block: tl.constexpr, splits_pow2: tl.constexpr, age_cap: tl.constexpr, key_bins: tl.constexpr,
         recent: tl.constexpr,
@@ -276,17 +288,18 @@ if triton is not None:
             ties = tl.sum(tl.where(key_of[None, :] == low, per_share, 0), axis=1)
             n_ties = tl.sum(tl.where(share < s, ties, 0), axis=0)
             n_taken = tl.sum(tl.where(share < s, above, 0), axis=0) + tl.minimum(n_ties, ties_taken)
-            _take_places(
+            n_held = _take_places(
                 slots, position_of, age, missing, destination, attend, kept, start, end, low, ties_taken,
                 n_taken, n_ties, block, age_cap,
             )  # fmt: skip
         else:
             free = tl.load(counts + bh * splits + share, mask=share < s, other=0)
-            _fill_free(
+            n_held = _fill_free(
                 slots, position_of, missing, destination, attend, kept, start, end, tl.load(count + bh),
                 tl.sum(free, axis=0), block,
             )  # fmt: skip
         tl.store(attend + positions, 0, mask=s == 0)
+        tl.atomic_add(held + bh, n_held)
 
 
 def placement_tuning(positions: int) -> tuple[int, int]:
@@ -316,8 +329,8 @@ def launch(
     age_cap: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``reuse._place`` on CUDA, or with ``age`` given ``reuse._place_recent``: (missing, count,
-    destination, attend) as ``reuse.Placement`` holds them; ``slots``, ``position_of`` and ``age``
-    updated in place."""
+    destination, attend, held) as ``reuse.Placement`` holds them; ``slots``, ``position_of`` and
+    ``age`` updated in place."""
     batch, heads, positions = slots.shape
     k = indices.shape[-1]
     device = slots.device
@@ -325,14 +338,17 @@ def launch(
     count = torch.empty(batch, heads, dtype=torch.int32, device=device)
     destination = torch.empty(batch, heads, k, dtype=torch.int32, device=device)
     attend = torch.empty(batch, heads, positions + 1, dtype=torch.bool, device=device)
+    held = torch.empty(batch, heads, dtype=torch.int32, device=device)
     indices, selected = indices.contiguous(), selected.contiguous().view(torch.int8)
     capacity = position_of.shape[-1]
     splits = placement_splits(batch * heads, positions)
     if splits > 1:
-        _launch_split(slots, position_of, age, indices, selected, missing, count, destination, attend, age_cap, splits)
-        return missing, count, destination, attend
+        outputs = (missing, count, destination, attend, held)
+        _launch_split(slots, position_of, age, indices, selected, *outputs, age_cap, splits)
+        return outputs
     kept = torch.empty(batch, heads, positions, dtype=torch.int8, device=device)  # scratch
-    common = (indices, selected, missing, count, destination, attend.view(torch.int8), kept, k, positions, capacity)
+    common = (indices, selected, missing, count, destination, attend.view(torch.int8), held, kept, k, positions)
+    common += (capacity,)
     block, warps = placement_tuning(positions)
     if age is None:
         _place_kernel[(batch * heads,)](slots, position_of, *common, block=block, num_warps=warps)
@@ -340,7 +356,7 @@ def launch(
         _place_recent_kernel[(batch * heads,)](
             slots, position_of, age, *common, block=block, age_cap=age_cap, key_bins=_key_bins(age_cap), num_warps=warps
         )
-    return missing, count, destination, attend
+    return missing, count, destination, attend, held
 
 
 def _key_bins(age_cap: int) -> int:
@@ -357,11 +373,12 @@ def _launch_split(
     count: torch.Tensor,
     destination: torch.Tensor,
     attend: torch.Tensor,
+    held: torch.Tensor,
     age_cap: int,
     splits: int,
 ) -> None:
     """Either placement (``age`` given: keep_recent) in three launches of ``splits`` programs per
-    (batch row, head), into ``missing``, ``count``, ``destination`` and ``attend``."""
+    (batch row, head), into ``missing``, ``count``, ``destination``, ``attend`` and ``held``."""
     batch, heads, positions = slots.shape
     k = indices.shape[-1]
     recent = age is not None
@@ -377,13 +394,13 @@ def _launch_split(
     capacity = position_of.shape[-1]
     age = age if recent else slots  # not read without keep_recent
     _split_mark_kernel[grid](
-        position_of, indices, selected, kept, moving, k, positions, capacity, share_k, splits, **shape
+        position_of, indices, selected, kept, moving, held, k, positions, capacity, share_k, splits, **shape
     )
     _split_count_kernel[grid](
         slots, position_of, age, indices, selected, missing, count, kept, moving, counts,
         k, positions, capacity, share_k, share_p, splits, **shape, **sizes,
     )  # fmt: skip
     _split_place_kernel[grid](
-        slots, position_of, age, missing, count, destination, attend.view(torch.int8), kept, counts,
+        slots, position_of, age, missing, count, destination, attend.view(torch.int8), held, kept, counts,
         k, positions, capacity, share_p, splits, **shape, **sizes,
     )  # fmt: skip
