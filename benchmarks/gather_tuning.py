@@ -1,7 +1,7 @@
 """The CUDA gather's tuning against row formats: rows a program moves per loop step
 (``RuntimeConfig.gather_rows``) and programs (``gather_programs``; default half the SMs), for
-16-bit rows (512 B at head_dim 128) and 8-bit rows (264 B: int8 codes and a float32 scale per K and
-V), one layer of the Llama-3-8B shape (8 KV heads), 10% and 20% of 16K and 128K tokens, graph-replayed
+16-bit rows (512 B at head_dim 128) and 8-bit rows (256 B: int8 codes; their scales stay on the
+device), one layer of the Llama-3-8B shape (8 KV heads), 10% and 20% of 16K and 128K tokens, graph-replayed
 as ``infinigen bench --micro`` times them; one process, against its own pinned bulk copy. Needs CUDA.
 (BENCHMARKS.md, "Micro-benchmarks".)
 

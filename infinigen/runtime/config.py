@@ -117,8 +117,8 @@ class RuntimeConfig:
     # SmolLM2 (ACCURACY.md, "8-bit rows")
     kv_bits: KVBits = option(
         16,
-        "Bits per K/V value in the CPU pool and over the bus: 16 (the model's dtype) | 8 (int8 with a "
-        "scale per token, KV head and K/V, dequantised as rows are fetched: about half the bytes).",
+        "Bits per K/V value in the CPU pool and over the bus: 16 (the model's dtype) | 8 (int8; a scale "
+        "per token, KV head and K/V kept on the GPU; dequantised as rows are fetched: half the bytes).",
         applies_to=("offloads", "plain_rows"),
     )
     # auto: on where it pays and fits (runtime.reuse.decide): on a GPU, for budgeted policies with an
@@ -159,7 +159,7 @@ class RuntimeConfig:
     )
     gather_rows: int | None = option(
         None,
-        "Rows a CUDA gather program moves per loop step, a power of two (default: 16 for 16-bit rows, 8 for 8-bit).",
+        "Rows a CUDA gather program moves per loop step, a power of two (default: 16).",
         cli=False,
     )
 

@@ -4,10 +4,10 @@ the compute device, in the pool's per-slot ``scales``. Chosen over FP8 e4m3 by m
 (ACCURACY.md, "8-bit rows").
 
 Why the scales are not in the row: the GPU reads host memory in 128-byte lines, and a row's cost is
-the lines it touches. Codes alone make a row 256 B at head_dim 128 (two aligned lines); with its
-scales beside them (264 B) it spans three, and the same gather ran 15% slower alone and 25% slower
-beside the compute (H200: BENCHMARKS.md, "8-bit rows"). The scales cost 8 B of device memory per
-row, under 2% of the dense KV cache's bytes.
+the lines it touches. Codes alone make a row 256 B at head_dim 128 (two whole lines); with its
+scales beside them (264 B) it spanned three, and the gather moved 165 M rows/s against 199 M (H200:
+BENCHMARKS.md, "8-bit rows"). The scales cost 8 B of device memory per row, under 2% of the dense
+KV cache's bytes.
 
 Rows are quantised on the compute device before they are written (prefill and decode alike: plain
 tensor work, so a captured decode step stays capturable) and dequantised by the gather itself, into

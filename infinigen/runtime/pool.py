@@ -62,9 +62,9 @@ class KVPool:
         self.device = device
         self.shape = (batch, kv_heads, block_tokens, 2, width)
         self.block_tokens = block_tokens
-        # the CUDA gather's tuning (``RuntimeConfig.gather_rows``, ``gather_programs``): 8-bit rows
-        # move fastest 8 a loop step, 16-bit ones 16 (``benchmarks/gather_tuning.py``)
-        self.gather_rows = gather_rows or (8 if kv_bits == 8 else 16)
+        # the CUDA gather's tuning (``RuntimeConfig.gather_rows``, ``gather_programs``): 16 rows a loop
+        # step for either format (8-bit rows, 256 B: 15.81 vs 16.91 ms a 1 x 128K step with 8; H200)
+        self.gather_rows = gather_rows or 16
         self.gather_programs = gather_programs
         self.host = host or HostBlocks(device)
         self.blocks: list[torch.Tensor] = []
