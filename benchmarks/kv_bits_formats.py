@@ -6,11 +6,14 @@ each window.
 - int8: the runtime's ``int8_rows`` (codes with a float32 scale absmax / 127 per token, KV head, K/V);
 - fp8-scaled: float8 e4m3 with a scale absmax / 448 per token, KV head, K/V (the same bytes);
 - fp8: float8 e4m3 alone (no scale, 4 bytes fewer per row; values beyond +-448 saturate);
+- int8-gN: int8 codes with a float32 scale absmax / 127 per group of N channels (outlier channels
+  cost only their own group precision);
 - int4-gN: 4-bit codes with a float16 minimum and scale per group of N channels (the ``int4``
   policy's codec, asymmetric as in KIVI): 4 + 32 / N bits a value.
 
     python benchmarks/kv_bits_formats.py BOOK.txt 2048 1792 2               # text, window, prefix, windows
     python benchmarks/kv_bits_formats.py BOOK.txt 2048 1792 2 int4-g32,int4-g16   # only these (and 16-bit)
+    python benchmarks/kv_bits_formats.py BOOK.txt 4096 3584 1 int8,int8-g32 MODEL.gguf   # another model
 """
 
 from __future__ import annotations
@@ -31,6 +34,14 @@ E4M3_MAX = 448.0
 
 def int8(rows: torch.Tensor) -> torch.Tensor:
     return int8_rows.decode(*int8_rows.encode(rows), rows.dtype)
+
+
+def int8_groups(group: int):
+    def round_trip(rows: torch.Tensor) -> torch.Tensor:
+        grouped = rows.unflatten(-1, (-1, group))
+        return int8_rows.decode(*int8_rows.encode(grouped), rows.dtype).flatten(-2)
+
+    return round_trip
 
 
 def fp8_scaled(rows: torch.Tensor) -> torch.Tensor:
@@ -56,11 +67,12 @@ def int4(group: int):
 
 
 FORMATS = {"16-bit": None, "int8": int8, "fp8-scaled": fp8_scaled, "fp8": fp8}
+FORMATS |= {f"int8-g{group}": int8_groups(group) for group in (64, 32)}
 FORMATS |= {f"int4-g{group}": int4(group) for group in (64, 32, 16)}
 
 
-def main(text: str, window: int, prefix: int, count: int, names: list[str]) -> None:
-    loaded = load_model(None, device="cpu", dtype="float32")
+def main(text: str, window: int, prefix: int, count: int, names: list[str], model: str | None = None) -> None:
+    loaded = load_model(model, device="cpu", dtype="float32")
     ids = windows(loaded.tokenizer, read_text(text), window, count)
     encoded = OffloadedLayer._encoded
     reference = None
@@ -86,4 +98,4 @@ def main(text: str, window: int, prefix: int, count: int, names: list[str]) -> N
 
 if __name__ == "__main__":
     chosen = sys.argv[5].split(",") if len(sys.argv) > 5 else [name for name in FORMATS if name != "16-bit"]
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), chosen)
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), chosen, *sys.argv[6:7])
