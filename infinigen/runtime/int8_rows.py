@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-SCALE_BYTES = 4  # one float32 per K or V plane, on the compute device
 LEVELS = 127  # symmetric codes -127 .. 127
 BITS_MOVED = 8  # per value over the bus: the codes (the scales stay on the device)
 

@@ -347,8 +347,8 @@ def launch(
         _launch_split(slots, position_of, age, indices, selected, *outputs, age_cap, splits)
         return outputs
     kept = torch.empty(batch, heads, positions, dtype=torch.int8, device=device)  # scratch
-    common = (indices, selected, missing, count, destination, attend.view(torch.int8), held, kept, k, positions)
-    common += (capacity,)
+    outputs = (missing, count, destination, attend.view(torch.int8), held)
+    common = (indices, selected, *outputs, kept, k, positions, capacity)
     block, warps = placement_tuning(positions)
     if age is None:
         _place_kernel[(batch * heads,)](slots, position_of, *common, block=block, num_warps=warps)

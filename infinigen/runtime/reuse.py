@@ -114,9 +114,7 @@ class Placement:
     count: torch.Tensor  # (B, H) int32
     destination: torch.Tensor  # (B, H, K) int32: the position each moved row goes to (first ``count``)
     attend: torch.Tensor  # (B, H, P + 1) bool: positions holding a selected row; the last (the token's) False
-    held: (
-        torch.Tensor
-    )  # (B, H) int32: how many (the rows attended; counted by the placement, not a pass over ``attend``)
+    held: torch.Tensor  # (B, H) int32: how many (the rows attended), counted as they are placed
 
 
 class ResidentRows:
@@ -165,8 +163,7 @@ def _place(slots: torch.Tensor, position_of: torch.Tensor, indices: torch.Tensor
     b, h, j = (torch.arange(k, device=slots.device) < count[..., None]).nonzero(as_tuple=True)  # moved rows
     slots[b, h, destination[b, h, j].long()] = missing[b, h, j]
     position_of[b, h, missing[b, h, j]] = destination[b, h, j]
-    attend = torch.cat([slots >= 0, selected.new_zeros(batch, heads, 1)], dim=-1)
-    return Placement(missing, count, destination, attend, (slots >= 0).sum(dim=-1, dtype=torch.int32))
+    return Placement(missing, count, destination, *_attended(slots))
 
 
 def _place_recent(
@@ -193,9 +190,13 @@ def _place_recent(
     capacity = position_of.shape[-1] - 1
     position_of.fill_(-1).scatter_(-1, torch.where(slots >= 0, slots, capacity), order.to(torch.int32))
     position_of[..., capacity] = -1
-    attend = torch.cat([slots >= 0, selected.new_zeros(batch, heads, 1)], dim=-1)
-    held = (slots >= 0).sum(dim=-1, dtype=torch.int32)
-    return Placement(missing, count, destination.to(torch.int32), attend, held)
+    return Placement(missing, count, destination.to(torch.int32), *_attended(slots))
+
+
+def _attended(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both placements' ``attend`` (the held positions, then the token's, False) and ``held``."""
+    held = slots >= 0
+    return torch.cat([held, held.new_zeros(*held.shape[:2], 1)], dim=-1), held.sum(dim=-1, dtype=torch.int32)
 
 
 def _kept_and_missing(
