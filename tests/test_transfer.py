@@ -125,6 +125,25 @@ def test_write_range_fills_whole_and_partial_blocks(device):
     assert torch.equal(stored[:, :, :13], rows) and not stored[:, :, 13:].any()
 
 
+@pytest.mark.parametrize("kv_bits", [16, 8])
+@pytest.mark.parametrize("end", [10, 13])  # whole blocks; and part of the last one
+def test_read_range_equals_the_gather_of_every_slot(device, kv_bits, end):
+    """A multi-token step's read of everything cached (block copies) leaves what the row gather of
+    every slot does: K and V planes, 8-bit rows dequantised with their scales, nothing past ``end``."""
+    torch.manual_seed(0)
+    pool = KVPool(2, 3, 4, torch.float32, torch.device(device), block_tokens=5, kv_bits=kv_bits)
+    rows = torch.randn(2, 3, 14, 2, 4, device=device)
+    pool.write_range(0, pool.encode_range(0, rows))
+    expected = torch.full((2, 3, 2, end + 1, 4), float("nan"), device=device)
+    read = expected.clone()
+    pool.gather(torch.arange(end, device=device).expand(2, 3, end), None, expected[:, :, :, :end])
+    pool.read_range(end, read[:, :, :, :end])
+    assert torch.equal(read[:, :, :, :end], expected[:, :, :, :end]), "as the row gather leaves them"
+    assert bool(read[:, :, :, end].isnan().all()), "nothing written past end"
+    if kv_bits == 16:
+        assert torch.equal(read[:, :, :, :end], rows[:, :, :end].transpose(2, 3))
+
+
 def test_new_pool_slots_above_the_reserved_ones_are_zero(monkeypatch):
     """A fetch may read slots nobody wrote (the rest of a Quest page): they must be zeros, never
     the NaN an uninitialised block can hold (a masked NaN row still poisons attention)."""

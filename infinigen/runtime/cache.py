@@ -12,6 +12,7 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -27,7 +28,7 @@ from infinigen.runtime.diagnostics import Diagnostics
 from infinigen.runtime.hooks import attach
 from infinigen.runtime.host_memory import HostBlocks
 from infinigen.runtime.layers import DenseLayer, Fetched, OffloadedLayer
-from infinigen.runtime.policies import Policy, Selection, make_policy, policy_class
+from infinigen.runtime.policies import Selection, make_policy, supported_policy
 from infinigen.runtime.pool import row_bytes
 from infinigen.runtime.sizing import offloaded_layer_indices, pool_limit
 from infinigen.runtime.sliding import SlidingLayer
@@ -37,23 +38,12 @@ from infinigen.runtime.streams import side_stream
 from infinigen.tensor_parallel import head_shard
 
 
-def _refuse_unsupported(config: RuntimeConfig, policy: type[Policy], artifact: Artifact | None) -> None:
-    """What a cache cannot run with this policy, refused before anything is allocated."""
-    if policy.speculates and artifact is None:
-        raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
-    if config.reuse_rows == "on" and policy.codec is not None:
-        raise InfinigenError(f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed")
-    if config.kv_bits != 16 and not (policy.offloads and policy.plain_rows):
-        where = "keeps its KV on the device" if not policy.offloads else "stores rows in its own codes"
-        raise InfinigenError(f"kv_bits {config.kv_bits} is for policies that offload rows: {config.policy!r} {where}")
-
-
 class InfinigenCache(Cache):
     def __init__(self, model: PreTrainedModel, config: RuntimeConfig, artifact: Artifact | None = None) -> None:
         self.spec = model_spec(model.config)
         self.config = config
-        self.policy_type = policy_class(config.policy)  # its flags; each offloaded layer holds an instance
-        _refuse_unsupported(config, self.policy_type, artifact)
+        # its flags; each offloaded layer holds an instance
+        self.policy_type = supported_policy(config, has_artifact=artifact is not None)
         self.offloaded_indices = offloaded_layer_indices(model.config, config.dense_layers, self.policy_type.offloads)
         self.n_offloaded = len(self.offloaded_indices)
         if self.policy_type.speculates and 0 in self.offloaded_indices:
@@ -304,7 +294,8 @@ class InfinigenCache(Cache):
         self, layer: OffloadedLayer, selection: Selection, valid: torch.Tensor | None = None, step: bool = True
     ) -> Fetched:
         """Start moving the selected rows of ``layer`` into a staging buffer; ``valid``: their
-        ``fetch_mask`` (computed here when not given); ``step``: False for a multi-token step."""
+        ``fetch_mask`` (computed here when not given); ``step``: False for a multi-token step, whose
+        selection is every cached row."""
         indices, count = self.selected_slots(layer, selection), selection.count
         if valid is None:
             valid = self.fetch_mask(layer, selection)
@@ -321,7 +312,10 @@ class InfinigenCache(Cache):
         if layer.policy.codec is not None:  # rows move compressed; ``wait`` decodes them
             packed = moved = self._buffer("packed", parity, (batch, kv_heads, 2, k, layer.pool.shape[-1]), layer.dtype)
         selection_end = self._selection_end()
-        ready = self._move(layer, indices, count, moved)
+        if step:
+            ready = self._move(layer, indices, count, moved)
+        else:  # every cached row: block copies, no row kernel
+            ready = self._on_transfer_stream(layer, partial(layer.pool.read_range, k, moved))
         return Fetched(rows, valid, indices, ready, selection_end, packed, layer.policy.codec)
 
     def _fetch_new_rows(self, layer: OffloadedLayer, indices, count, valid, step: bool) -> Fetched:
@@ -402,25 +396,28 @@ class InfinigenCache(Cache):
         return torch.cuda.current_stream(self.device).record_event() if self.stream is not None else None
 
     def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
-        """The rows' move (``_gather``), unless a diagnostic skips it; kept for --breakdown's replay."""
+        """The selected rows' gather (unless a diagnostic skips it; kept for --breakdown's replay)."""
         if self.diagnostics.kept_gathers is not None:
             self.diagnostics.kept_gathers.append((layer.pool, indices, count, out, destination))
-        return self._gather(layer, indices, count, out, destination) if self.diagnostics.move_rows else None
+        if not self.diagnostics.move_rows:
+            return None
+        move = partial(layer.pool.gather, indices, count, out, destination)
+        return self._on_transfer_stream(layer, move, indices, count, destination)
 
-    def _gather(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
-        """The row move itself: inline on CPU; on CUDA on the transfer stream, after the current
-        stream's work so far (the selection's), returning the event that marks its end."""
+    def _on_transfer_stream(self, layer: OffloadedLayer, move, *used: torch.Tensor | None) -> torch.cuda.Event | None:
+        """A row move of ``layer``'s pool: inline on CPU; on CUDA on the transfer stream, after the
+        current stream's work so far (the selection's), returning the event that marks its end."""
         if self.stream is None:
-            layer.pool.gather(indices, count, out, destination)
+            move()
             return None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            layer.pool.gather(indices, count, out, destination)
+            move()
             ready = torch.cuda.Event()
             ready.record(self.stream)
         # this step's (``out`` is recorded where it is allocated), and the block table and 8-bit
         # scales, which the token's store may replace while the rows move (``KVPool.reserve``)
-        for tensor in (indices, count, destination, layer.pool.block_table, layer.pool.scales):
+        for tensor in (*used, layer.pool.block_table, layer.pool.scales):
             if tensor is not None:
                 tensor.record_stream(self.stream)
         return ready

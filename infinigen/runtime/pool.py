@@ -7,9 +7,10 @@ as int8 codes and their scales stay on the compute device (``scales``, ``int8_ro
 quantised as they are written and dequantised by the gather. The pool grows block by block; nothing
 in host memory is ever copied to grow it.
 
-A prompt's rows go in as DMA copies (``write_range``); a decode step's rows and every fetch go
-through ``infinigen.runtime.transfer``: a zero-copy Triton kernel on CUDA (the GPU reads/writes
-pinned host memory directly), plain PyTorch indexing on CPU.
+A prompt's rows go in, and a multi-token step reads every cached row back, as DMA copies
+(``write_range``, ``read_range``); a decode step's rows and its selected rows go through
+``infinigen.runtime.transfer``: a zero-copy Triton kernel on CUDA (the GPU reads/writes pinned host
+memory directly), plain PyTorch indexing on CPU.
 """
 
 from __future__ import annotations
@@ -126,16 +127,22 @@ class KVPool:
         for index in range(start // self.block_tokens, (end - 1) // self.block_tokens + 1):
             block_start = index * self.block_tokens
             lo, hi = max(start, block_start), min(end, block_start + self.block_tokens)
-            part = rows[:, :, lo - start : hi - start]
             slots = self.blocks[index][:, :, lo - block_start : hi - block_start]
-            if hi - lo == self.block_tokens or rows.device.type != "cuda":
-                slots.copy_(part, non_blocking=True)
-                continue
-            # part of a block: strided in the pool, which copy_ would stage in pageable memory. One DMA
-            # copy per (batch row, head) run instead of the GPU's own stores, which run at a tenth of
-            # the link into freshly registered pages (3.7 vs 40 GB/s on an H100: BENCHMARKS, "Prefill")
-            for run, source in zip(slots.flatten(0, 1), part.flatten(0, 1), strict=True):
-                run.copy_(source, non_blocking=True)
+            _copy_runs(slots, rows[:, :, lo - start : hi - start])
+
+    def read_range(self, end: int, out: torch.Tensor) -> None:
+        """out (B, H, 2, end, d) <- slots 0 .. end-1 of every (batch, head), K and V split into planes
+        and 8-bit rows dequantised as ``gather`` leaves them: a multi-token step's read of everything
+        cached, as DMA copies a block at a time into one block on the device. No row kernel runs, so a
+        process's first prefill does not wait for one to be built."""
+        staged = torch.empty(self.shape, dtype=self.dtype, device=out.device)  # (B, H, block_tokens, 2, width)
+        for index in range(-(-end // self.block_tokens)):
+            lo, hi = index * self.block_tokens, min(end, (index + 1) * self.block_tokens)
+            part = staged[:, :, : hi - lo]
+            _copy_runs(part, self.blocks[index][:, :, : hi - lo])
+            if self.kv_bits == 8:
+                part = int8_rows.decode(part, self.scales[:, :, lo:hi], out.dtype)
+            out[:, :, :, lo:hi] = part.transpose(2, 3)
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""
@@ -149,3 +156,16 @@ class KVPool:
         with ``destination`` (B, H, K), at out[b, h, destination[b, h, j]] instead. 8-bit rows arrive
         dequantised to ``out``'s dtype."""
         transfer.gather_rows(self, indices, count, out, destination)
+
+
+def _copy_runs(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target <- source, (B, H, T, 2, w), one of them (on the host) part of a pool block. Part of a
+    block is strided, which ``copy_`` would stage in pageable memory: on CUDA one DMA copy per (batch
+    row, head) run instead (not the GPU's own stores either, which reach freshly registered pages at a
+    tenth of the link: 3.7 vs 40 GB/s on an H100, BENCHMARKS "Prefill")."""
+    host = target if target.device.type == "cpu" else source
+    if host.is_contiguous() or "cuda" not in (target.device.type, source.device.type):
+        target.copy_(source, non_blocking=True)
+        return
+    for run, part in zip(target.flatten(0, 1), source.flatten(0, 1), strict=True):
+        run.copy_(part, non_blocking=True)

@@ -24,9 +24,23 @@ def policy_class(name: str) -> type[Policy]:
     return POLICIES[name]
 
 
+def supported_policy(config: RuntimeConfig, has_artifact: bool) -> type[Policy]:
+    """The policy ``config`` names, once what a cache cannot run with it is refused (before anything
+    is allocated)."""
+    policy = policy_class(config.policy)
+    if policy.speculates and not has_artifact:
+        raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
+    if config.reuse_rows == "on" and policy.codec is not None:
+        raise InfinigenError(f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed")
+    if config.kv_bits != 16 and not (policy.offloads and policy.plain_rows):
+        where = "keeps its KV on the device" if not policy.offloads else "stores rows in its own codes"
+        raise InfinigenError(f"kv_bits {config.kv_bits} is for policies that offload rows: {config.policy!r} {where}")
+    return policy
+
+
 def make_policy(config: RuntimeConfig) -> Policy:
     """A policy instance for one offloaded layer (it keeps that layer's selection state)."""
     return policy_class(config.policy)(config)
 
 
-__all__ = ["POLICIES", "Policy", "Selection", "make_policy", "policy_class"]
+__all__ = ["POLICIES", "Policy", "Selection", "make_policy", "policy_class", "supported_policy"]
