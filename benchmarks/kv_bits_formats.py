@@ -8,6 +8,8 @@ each window.
 - fp8: float8 e4m3 alone (no scale, 4 bytes fewer per row; values beyond +-448 saturate);
 - int8-gN: int8 codes with a float32 scale absmax / 127 per group of N channels (outlier channels
   cost only their own group precision);
+- int8-keys, int8-values: the runtime's int8 on one plane, the other left at 16 bits (which of the
+  two the loss comes from);
 - int4-gN: 4-bit codes with a float16 minimum and scale per group of N channels (the ``int4``
   policy's codec, asymmetric as in KIVI): 4 + 32 / N bits a value.
 
@@ -44,6 +46,15 @@ def int8_groups(group: int):
     return round_trip
 
 
+def int8_plane(plane: int):
+    def round_trip(rows: torch.Tensor) -> torch.Tensor:
+        out = rows.clone()
+        out[..., plane, :] = int8(rows[..., plane, :])
+        return out
+
+    return round_trip
+
+
 def fp8_scaled(rows: torch.Tensor) -> torch.Tensor:
     values = rows.float()
     scale = values.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
@@ -68,6 +79,7 @@ def int4(group: int):
 
 FORMATS = {"16-bit": None, "int8": int8, "fp8-scaled": fp8_scaled, "fp8": fp8}
 FORMATS |= {f"int8-g{group}": int8_groups(group) for group in (64, 32)}
+FORMATS |= {"int8-keys": int8_plane(0), "int8-values": int8_plane(1)}
 FORMATS |= {f"int4-g{group}": int4(group) for group in (64, 32, 16)}
 
 
