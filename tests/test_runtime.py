@@ -19,6 +19,7 @@ from infinigen.models import LoadedModel, ModelSource
 from infinigen.prepare import prepare_artifact
 from infinigen.runtime import InfinigenCache, cache_argument, cache_for
 from infinigen.runtime.layers import OffloadedLayer
+from infinigen.runtime.pool import KVPool
 from infinigen.runtime.scoring import LEVELS, code_values
 
 
@@ -356,6 +357,33 @@ def test_chunked_prefill_is_exact(tokenizer, arch, policy, device):
         **inputs, max_new_tokens=12, do_sample=False, pad_token_id=1, prefill_chunk_size=8, **{name: cache}
     )
     assert torch.equal(out[:, inputs["input_ids"].shape[1] :], expected)
+
+
+@pytest.mark.parametrize("policy,settings", [("int4", {}), ("infinigen", {"kv_bits": 8})])
+def test_chunked_prefill_reads_rows_as_the_gather_would(tokenizer, policy, settings, device, monkeypatch):
+    """A later chunk reads the earlier ones as block copies (``KVPool.read_range``): the same logits as
+    through the row gather of every slot, for rows a codec compresses and for 8-bit rows."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(3)).tolist() for n in (13, 23)]
+    inputs = padded_batch(prompts, pad=1, device=device)
+
+    def generated() -> torch.Tensor:  # every step's logits (steps, B, vocab)
+        cache = cache_for(model, artifact, policy=policy, **settings)
+        kwargs = {cache_argument(model): cache, "prefill_chunk_size": 8, "pad_token_id": 1}
+        out = model.generate(
+            **inputs, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs
+        )
+        return torch.stack(out.logits)
+
+    by_blocks = generated()
+    reads = []
+
+    def gathered(pool, end, out):
+        reads.append(end)
+        pool.gather(torch.arange(end, device=out.device).expand(*out.shape[:2], end), None, out)
+
+    monkeypatch.setattr(KVPool, "read_range", gathered)
+    assert torch.equal(generated(), by_blocks) and reads, "the same logits; the chunks read the pool"
 
 
 def test_prefill_chunks_count_in_bytes_not_in_the_fraction_fetched(tokenizer, device):
