@@ -15,7 +15,7 @@ from infinigen.artifacts import Artifact, load_artifact, render_card, save_artif
 from infinigen.artifacts.format import MANIFEST
 from infinigen.prepare.attention_stats import FRACTIONS, missed_mass
 from infinigen.runtime import cache_argument, cache_for
-from infinigen.runtime.allocation import FLOOR, layer_budgets, offloaded_budgets
+from infinigen.runtime.selection.allocation import FLOOR, layer_budgets, offloaded_budgets
 
 GRID = torch.tensor(FRACTIONS)
 

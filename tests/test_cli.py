@@ -143,7 +143,7 @@ def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
 def test_generate_pins_its_pools_while_the_weights_load(prepared, monkeypatch):
     """The prompt's pools are reserved before the weights load (beside it), and the prefill's blocks
     are carved from that reservation; a policy without a pool reserves nothing."""
-    from infinigen.runtime import host_memory
+    from infinigen.runtime.memory import host_memory
 
     folder, out = prepared("llama")
     events: list[str] = []

@@ -108,6 +108,11 @@ def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_pat
         ("--model {folder} --layers 2", "--layers goes with --shape"),
         ("--shape tiny-llama --layers 1", "--layers must be at least 2, got 1"),
         ("--shape tiny-llama --reserve-host-gb -1", "--reserve-host-gb must be at least 0, got -1.0"),
+        ("--shape tiny-llama --profile timeline", "--profile needs a CUDA device"),
+        (
+            "--shape tiny-llama --profile disk",
+            "--profile takes kernels, timeline, memory (comma-separated), got 'disk'",
+        ),
     ],
 )
 def test_bench_refuses_bad_combinations(checkpoint, args, message):
@@ -252,7 +257,7 @@ def test_bench_sweeps_kv_bits_and_reports_the_bytes_moved():
 def test_bench_reserves_host_memory_before_its_cases(monkeypatch):
     """--reserve-host-gb pins while the model loads and is ready before the first case: the pools'
     blocks are carved from it (the reservation is this test's own)."""
-    from infinigen.runtime import host_memory
+    from infinigen.runtime.memory import host_memory
 
     monkeypatch.setattr(host_memory, "_reserved", host_memory.defaultdict(list))
     carved = []

@@ -205,7 +205,7 @@ def test_step_graph_replays_the_eager_step_exactly(tokenizer, policy, reuse_rows
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_capture_first_returns_idle_cached_memory_when_the_device_runs_short():
-    from infinigen.runtime.graphs import make_room
+    from infinigen.runtime.cache.graphs import make_room
 
     device = torch.device("cuda")
     torch.cuda.empty_cache()

@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import run_in_interpreter
 
-from infinigen.runtime import decode_attention
+from infinigen.runtime.kernels import decode_attention
 
 CHECK = r"""
 import math, torch
-from infinigen.runtime.decode_attention import split_decode_attention
+from infinigen.runtime.kernels.decode_attention import split_decode_attention
 
 def reference(q, k, v, valid, scale):
     scores = torch.einsum("bkgd,bksd->bkgs", q.double(), k.double()) * scale

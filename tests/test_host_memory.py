@@ -10,8 +10,9 @@ import pytest
 import torch
 from helpers import tiny_setup
 
-from infinigen.runtime import cache_argument, cache_for, host_memory, host_pool_size
-from infinigen.runtime.host_memory import HostBlocks, as_bytes, retire
+from infinigen.runtime import cache_argument, cache_for, host_pool_size
+from infinigen.runtime.memory import host_memory
+from infinigen.runtime.memory.host_memory import HostBlocks, as_bytes, retire
 
 
 def flush_retired(device: str) -> None:

@@ -10,9 +10,10 @@ from helpers import padded_batch, teacher_forced_argmax, teacher_forced_logits, 
 from transformers import DynamicCache
 
 from infinigen.eval.perplexity import pool_settings
-from infinigen.runtime import cache_for, int8_rows, transfer
-from infinigen.runtime.config import settings_grid
-from infinigen.runtime.pool import KVPool, row_bytes
+from infinigen.runtime import cache_for
+from infinigen.runtime.kernels import int8_rows, transfer
+from infinigen.runtime.memory.pool import KVPool, row_bytes
+from infinigen.runtime.selection.policies import settings_grid
 
 
 def rows_with_outliers(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -93,8 +94,8 @@ def test_torch_gather_dequantises_with_count_and_destination(dtype):
 
 KERNELS = r"""
 import torch
-from infinigen.runtime import int8_rows, transfer
-from infinigen.runtime.pool import KVPool
+from infinigen.runtime.kernels import int8_rows, transfer
+from infinigen.runtime.memory.pool import KVPool
 from test_kv_bits import rows_with_outliers
 B, H, D, bt = 2, 3, 16, 8
 pool = KVPool(B, H, D, torch.float32, torch.device("cpu"), block_tokens=bt, gather_programs=4, kv_bits=8)

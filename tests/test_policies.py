@@ -12,16 +12,17 @@ import torch
 from conftest import DEVICES, run_in_interpreter
 from helpers import greedy, padded_batch, teacher_forced_argmax, tiny_setup
 
-from infinigen.runtime import POLICIES, RuntimeConfig, cache_for, scoring
-from infinigen.runtime.buffers import store_slots
+from infinigen.runtime import POLICIES, RuntimeConfig, cache_for
+from infinigen.runtime.cache.layers import OffloadedLayer
 from infinigen.runtime.config import PolicyName
-from infinigen.runtime.layers import OffloadedLayer
-from infinigen.runtime.policies.base import LayerView
-from infinigen.runtime.policies.h2o import H2OPolicy
-from infinigen.runtime.policies.infinigen import always_fetched
-from infinigen.runtime.policies.int4 import GroupQuantizer
-from infinigen.runtime.policies.quest import PAGE, QuestPolicy
-from infinigen.runtime.scoring import LEVELS, code_values, group_scores, quantize_rows
+from infinigen.runtime.kernels import scoring
+from infinigen.runtime.kernels.buffers import store_slots
+from infinigen.runtime.kernels.scoring import LEVELS, code_values, group_scores, quantize_rows
+from infinigen.runtime.selection.policies.base import LayerView
+from infinigen.runtime.selection.policies.h2o import H2OPolicy
+from infinigen.runtime.selection.policies.infinigen import always_fetched
+from infinigen.runtime.selection.policies.int4 import GroupQuantizer
+from infinigen.runtime.selection.policies.quest import PAGE, QuestPolicy
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -129,7 +130,7 @@ def tile_maxima(scores: torch.Tensor) -> torch.Tensor:
 FUSED_SCORES_CHECK = r"""
 import torch
 from test_policies import tile_maxima
-from infinigen.runtime.scoring import fused_group_scores, group_scores, quantize_rows
+from infinigen.runtime.kernels.scoring import fused_group_scores, group_scores, quantize_rows
 g = torch.Generator().manual_seed(0)
 B, kv, G, cap, n, c = 2, 3, 4, 300, 257, 40
 keys = torch.randn(B, kv, cap, c, generator=g)
@@ -161,7 +162,7 @@ def check_rotated_partial_query(device: str) -> None:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     from infinigen.architectures import model_spec
-    from infinigen.runtime.speculation import projected_query, rotated_partial_query, rotated_query
+    from infinigen.runtime.selection.speculation import projected_query, rotated_partial_query, rotated_query
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1)
@@ -399,7 +400,7 @@ def test_captured_selection_survives_a_longer_shared_arange(tiny_llama, monkeypa
     """A layer's selection graph reads the cache's shared arange (``all_slots``); another caller may
     replace it by a longer one between replays. The graph keeps the one it read alive: its memory
     is not handed out again, and junk written to new allocations does not reach the selection."""
-    from infinigen.runtime.graphs import SelectionGraph
+    from infinigen.runtime.cache.graphs import SelectionGraph
 
     model, artifact = tiny_llama
     if model.device.type != "cuda":

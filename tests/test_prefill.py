@@ -9,7 +9,7 @@ from helpers import EXACT, greedy, padded_batch, tiny_setup
 from transformers import DynamicCache
 
 from infinigen.runtime import cache_argument, cache_for
-from infinigen.runtime.pool import KVPool
+from infinigen.runtime.memory.pool import KVPool
 
 
 @pytest.mark.parametrize("policy", ["full", "infinigen"])

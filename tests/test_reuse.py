@@ -14,9 +14,11 @@ from helpers import EXACT, greedy, padded_batch, tiny_setup
 from transformers import DynamicCache
 
 from infinigen.errors import InfinigenError
-from infinigen.runtime import cache_for, placement, reuse
+from infinigen.runtime import cache_for
 from infinigen.runtime.config import DEFAULT_RESIDENT_EXTRA, RuntimeConfig, parse_value
-from infinigen.runtime.reuse import Placement, ResidentRows
+from infinigen.runtime.kernels import placement
+from infinigen.runtime.memory import reuse
+from infinigen.runtime.memory.reuse import Placement, ResidentRows
 
 
 def resident_rows(batch=3, heads=4, positions=12, n_slots=40, device="cpu") -> ResidentRows:
@@ -224,8 +226,8 @@ def kernel_matches_pytorch(device: str) -> Placement:
 
 KERNEL = r"""
 import torch
-from infinigen.runtime.pool import KVPool
-from infinigen.runtime.transfer import _launch_gather
+from infinigen.runtime.memory.pool import KVPool
+from infinigen.runtime.kernels.transfer import _launch_gather
 from test_reuse import kernel_matches_pytorch
 want = kernel_matches_pytorch("cpu")
 # the gather with a destination writes the moved rows there and nothing else

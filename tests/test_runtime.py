@@ -18,8 +18,8 @@ from infinigen.errors import InfinigenError
 from infinigen.models import LoadedModel, ModelSource
 from infinigen.prepare import prepare_artifact
 from infinigen.runtime import InfinigenCache, cache_argument, cache_for
-from infinigen.runtime.layers import OffloadedLayer
-from infinigen.runtime.scoring import LEVELS, code_values
+from infinigen.runtime.cache.layers import OffloadedLayer
+from infinigen.runtime.kernels.scoring import LEVELS, code_values
 
 
 @pytest.mark.parametrize("policy", EXACT_POLICIES)

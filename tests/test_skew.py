@@ -17,7 +17,7 @@ from infinigen.prepare.calibration import load_samples
 from infinigen.prepare.capture import capture_qk
 from infinigen.prepare.fold import skew_model_in_place
 from infinigen.prepare.skew import right_singular_vectors, score_energy, skew_head
-from infinigen.runtime.speculation import LayerSpeculator
+from infinigen.runtime.selection.speculation import LayerSpeculator
 
 
 def max_relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:

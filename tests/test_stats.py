@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinigen.runtime.stats import CHUNK, LayerStats
+from infinigen.runtime.cache.stats import CHUNK, LayerStats
 
 
 def test_a_small_run_by_hand(device):

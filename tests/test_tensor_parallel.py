@@ -20,8 +20,8 @@ from helpers import greedy, tiny_setup
 
 from infinigen.architectures import decoder_layers, model_spec
 from infinigen.errors import InfinigenError
-from infinigen.runtime.speculation import LayerSpeculator
-from infinigen.runtime.top_slots import CountRule
+from infinigen.runtime.kernels.top_slots import CountRule
+from infinigen.runtime.selection.speculation import LayerSpeculator
 
 dist = pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.skipif(

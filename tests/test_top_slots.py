@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import run_in_interpreter
 
-from infinigen.runtime import top_slots as module
-from infinigen.runtime.top_slots import FORCED, CountRule, top_slots, truncated
+from infinigen.runtime.kernels import top_slots as module
+from infinigen.runtime.kernels.top_slots import FORCED, CountRule, top_slots, truncated
 
 CASES = [  # batch, heads, n, cached tokens per batch row, rule
     (2, 3, 5000, [5000, 700], CountRule(0.2, math.inf, 8)),  # two chunks, different counts per batch row
@@ -97,9 +97,8 @@ def test_pytorch_path():
 @pytest.mark.skipif(module.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the compiled kernels are tested")
 def test_radix_select_in_interpreter():
-    script = (
-        "from test_top_slots import check, with_tile_maxima\nfrom infinigen.runtime.top_slots import _radix_top_slots\n"
-    )
+    script = "from test_top_slots import check, with_tile_maxima\n"
+    script += "from infinigen.runtime.kernels.top_slots import _radix_top_slots\n"
     script += "check(_radix_top_slots, 'cpu')\ncheck(with_tile_maxima(_radix_top_slots), 'cpu')\nprint('ok')"
     run_in_interpreter(script)
 

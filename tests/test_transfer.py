@@ -7,13 +7,14 @@ import pytest
 import torch
 from conftest import run_in_interpreter
 
-from infinigen.runtime import host_memory, transfer
-from infinigen.runtime.pool import KVPool
+from infinigen.runtime.kernels import transfer
+from infinigen.runtime.memory import host_memory
+from infinigen.runtime.memory.pool import KVPool
 
 CHECK = r"""
 import torch
-from infinigen.runtime import transfer
-from infinigen.runtime.pool import KVPool
+from infinigen.runtime.kernels import transfer
+from infinigen.runtime.memory.pool import KVPool
 torch.manual_seed(0)
 B, H, D, bt = 2, 3, 16, 8
 pool = KVPool(B, H, D, torch.float32, torch.device("cpu"), block_tokens=bt, gather_programs=4)
@@ -63,7 +64,7 @@ OFFSETS = r"""
 import torch
 import triton
 import triton.language as tl
-from infinigen.runtime import transfer
+from infinigen.runtime.kernels import transfer
 
 @triton.jit
 def offsets(out, first_row, row_stride, position_stride):

@@ -54,7 +54,7 @@ def micro_gather(
     with the gather's tuning (``RuntimeConfig.gather_rows`` / ``gather_programs``) as given. On
     CUDA the gathers are replayed from a CUDA graph, as decode steps run them, several back to back:
     the figure is the device's time per call, not the host's launch cost."""
-    from infinigen.runtime.pool import KVPool
+    from infinigen.runtime.memory.pool import KVPool
 
     rows = []
     generator = torch.Generator().manual_seed(0)
@@ -93,8 +93,8 @@ def micro_gather(
 
 
 def _speculate(x, query_projection, partial_keys, key_scale, valid, budget: float) -> None:
-    from infinigen.runtime.policies.infinigen import select_tokens
-    from infinigen.runtime.top_slots import CountRule
+    from infinigen.runtime.kernels.top_slots import CountRule
+    from infinigen.runtime.selection.policies.infinigen import select_tokens
 
     partial_query = torch.einsum("bx,hxr->bhr", x, query_projection)
     k_max = math.ceil(budget * partial_keys.shape[2])
@@ -133,7 +133,7 @@ def micro_speculation(model: PreTrainedModel, budget: float, batch: int, context
     count, top-k; replayed from a CUDA graph on CUDA, as the runtime does) against the layer's own
     share of a dense decode step, per context length."""
     from infinigen.architectures import model_spec
-    from infinigen.runtime.scoring import quantize_rows
+    from infinigen.runtime.kernels.scoring import quantize_rows
 
     spec = model_spec(model.config)
     device = next(model.parameters()).device
@@ -165,7 +165,7 @@ def micro_report(model: PreTrainedModel, contexts: list[int], budget: float, kv_
     speculation at ``budget``."""
     from infinigen.architectures import model_spec
     from infinigen.prepare import DEFAULT_RATIO, n_channels_for
-    from infinigen.runtime.speculation import padded_channels
+    from infinigen.runtime.selection.speculation import padded_channels
 
     spec = model_spec(model.config)
     param = next(model.parameters())

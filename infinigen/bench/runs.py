@@ -224,11 +224,11 @@ def unless_out_of_memory(run: Callable[[], dict], case: BenchCase, device: torch
         lines = str(exc).strip().splitlines()
         error = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     # out of the handler: the traceback's frames are gone, and with them the case's tensors
-    _release_cached_memory(device)
+    release_cached_memory(device)
     return case_settings(case) | {"error": error}
 
 
-def _release_cached_memory(device: torch.device) -> None:
+def release_cached_memory(device: torch.device) -> None:
     """Between cases: the device's cached blocks, and (torch >= 2.12) the pinned host blocks the
     last case's pool left cached, which would otherwise add up over a sweep's sizes."""
     gc.collect()
@@ -244,7 +244,7 @@ def run_case(
     model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
 ) -> dict:
     device = next(model.parameters()).device
-    _release_cached_memory(device)
+    release_cached_memory(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = make_cache(model, artifact, case)

@@ -67,6 +67,13 @@ ReserveHostOpt = Annotated[
         "start-up): the first cache's prefill then takes its blocks from it. 0: each prefill pins its own."
     ),
 ]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="After the sweep, profile each case (CUDA): kernels (GPU time by kernel), timeline (each stream's "
+        "kernels, the transfer stream's idle gaps), memory (what the GPU holds by allocating line); comma-separated."
+    ),
+]
 PlotOpt = Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch (or --micro's).")]
 
 
@@ -90,6 +97,7 @@ def bench(
     micro: MicroOpt = False,
     micro_contexts: MicroContextsOpt = "4096,16384,32768,131072",
     reserve_host_gb: ReserveHostOpt = 0.0,
+    profile: ProfileOpt = None,
     plot: PlotOpt = None,
     dtype: Annotated[str, typer.Option(help="Model dtype.")] = "bfloat16",
     device: DeviceOpt = None,
@@ -102,17 +110,19 @@ def bench(
     Examples:\n
       infinigen bench --shape llama-3-8b --batch 8 --prompt-len 16384 --policy dense,full,infinigen\n
       infinigen bench --prompt-len 4096,16384,32768 --batch 1,8 --budget 0.1,0.2 --plot bench.png\n
+      infinigen bench --sizes 8x16384 --policy infinigen --kv-bits 8 --profile timeline,memory\n
       infinigen bench --micro
     """
     import torch
 
     from infinigen.bench.micro import micro_report
     from infinigen.bench.plots import plot_bench, plot_micro
+    from infinigen.bench.profiles import parse_profiles
     from infinigen.bench.runs import bench_cases, load_subject, pinned_bandwidth, subject_artifacts
     from infinigen.models import resolve_device
     from infinigen.prepare import DEFAULT_RATIO
-    from infinigen.runtime import host_memory
-    from infinigen.runtime.config import settings_grid
+    from infinigen.runtime.memory import host_memory
+    from infinigen.runtime.selection.policies import settings_grid
     from infinigen.tensor_parallel import summed, weight_bytes, world_size
 
     if repeat < 1 or gen_len < 1:
@@ -124,6 +134,11 @@ def bench(
     modes, ratios = parse_list(graphs, "--graphs", str), parse_list(ratio, "--ratio")
     contexts = parse_list(micro_contexts, "--micro-contexts", int)
     device = resolve_device(device)
+    profiles = parse_profiles(profile) if profile is not None else ()
+    if profiles and not device.startswith("cuda"):
+        raise InfinigenError(
+            f"--profile needs a CUDA device: it reads CUDA kernels, streams and allocations, got {device}"
+        )
     if reserve_host_gb < 0:
         raise InfinigenError(f"--reserve-host-gb must be at least 0, got {reserve_host_gb}")
     start = time.perf_counter()
@@ -165,10 +180,13 @@ def bench(
         report["pinned_h2d_all_ranks_gb_s"] = round(summed(bandwidth, device), 1) if bandwidth is not None else None
     results, split_rows = _run(subject, artifacts, cases, repeat, breakdown, as_json)
     report |= {"results": results, "breakdown": split_rows}
+    if profiles:
+        report["profiles"] = _profiled(subject, artifacts, cases, profiles, as_json)
     if plot is not None:
         report["plot"] = str(plot_bench(report, plot))
     if not printed_json(report, as_json):
         _print_bench(report)
+        _print_profiles(report.get("profiles", []))
 
 
 def _sizes(text: str) -> list[tuple[list[int], list[int]]]:
@@ -206,6 +224,56 @@ def _run(subject, artifacts: dict, cases: list, repeat: int, breakdown: bool, as
         )
         bar.update(running, completed=len(cases) + splits)
     return rows
+
+
+def _profiled(subject, artifacts: dict, cases: list, profiles: tuple[str, ...], as_json: bool) -> list[dict]:
+    import functools
+
+    from infinigen.bench.profiles import profile_case
+    from infinigen.bench.runs import case_label, unless_out_of_memory
+
+    rows = []
+    with progress(disable=as_json) as bar:
+        running = bar.add_task("profiles", total=len(cases))
+        for done, case in enumerate(cases):
+            bar.update(running, description=f"{case_label(case)}, profile", completed=done)
+            run = functools.partial(
+                profile_case, subject.model, artifacts[case.ratio], case, profiles, subject.text_ids
+            )
+            rows.append(unless_out_of_memory(run, case, subject.model.device))
+        bar.update(running, completed=len(cases))
+    return rows
+
+
+def _print_profiles(profiles: list[dict]) -> None:
+    for report in profiles:
+        name = report.get("case") or f"{report['policy']}, {report['batch']} x {report['prompt_len']}"
+        if "error" in report:
+            print_rows(f"profile of {name}", {"error": "error"}, [report])
+            continue
+        title = f"{name}: {report['ms_per_step']} ms a step"
+        if "kernels" in report:
+            columns = {"kernel": "kernel", "ms/step": "ms_per_step", "calls/step": "calls_per_step"}
+            print_rows(f"{title}, GPU time by kernel", columns, report["kernels"])
+        if "timeline" in report:
+            streams = [
+                row | {"most time": "; ".join(f"{k['ms_per_step']} {k['kernel'][:40]}" for k in row["top"][:3])}
+                for row in report["timeline"]["streams"]
+            ]
+            columns = {"stream": "stream", "role": "role", "kernels/step": "kernels_per_step"}
+            columns |= {"ms/step": "ms_per_step", "most time (ms/step)": "most time"}
+            print_rows(f"{title}, streams", columns, streams)
+            columns = {"step": "step", "boundary ms": "boundary_ms", "gaps inside ms": "gaps_inside_ms"}
+            print_rows("transfer stream idle", columns | {"gathers ms": "gathers_ms"}, report["timeline"]["steps"])
+        if "memory" in report:
+            memory = report["memory"]
+            title += (
+                f", GPU beyond the weights: live {memory['live_gb']} GB, peak {memory['peak_gb']} GB"
+                f" (dense KV {memory['dense_kv_gb']} GB)"
+            )
+            columns = {"allocated at": "site", "MB": "mb", "of dense KV": "share"}
+            sites = [row | {"share": _percent(row["share_of_dense_kv"])} for row in memory["sites"]]
+            print_rows(title, columns, sites)
 
 
 def _percent(share: float | None) -> str:

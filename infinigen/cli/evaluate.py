@@ -68,7 +68,7 @@ def ppl(
     from infinigen.eval.decoding import read_text
     from infinigen.eval.decoding import windows as split_windows
     from infinigen.eval.perplexity import perplexity
-    from infinigen.runtime.config import settings_grid
+    from infinigen.runtime.selection.policies import settings_grid
 
     prefix = window // 2 if prefix is None else prefix
     if not 0 < prefix < window or windows < 1 or batch < 1:
@@ -158,7 +158,7 @@ def tasks(
       infinigen eval tasks --artifact skewed/ --data my-task.jsonl --shots 0
     """
     from infinigen.eval.tasks import average, builtin_examples, jsonl_examples, paired_with_first, task_accuracy
-    from infinigen.runtime.config import settings_grid
+    from infinigen.runtime.selection.policies import settings_grid
 
     if shots < 0 or limit < 1 or batch < 1:
         raise InfinigenError(f"--shots must be >= 0, --limit and --batch >= 1, got {shots}, {limit}, {batch}")
@@ -287,7 +287,7 @@ def needle(
     """
     from infinigen.eval.decoding import read_text
     from infinigen.eval.needle import ANSWER_TOKENS, needle_accuracy, needle_prompts
-    from infinigen.runtime.config import settings_grid
+    from infinigen.runtime.selection.policies import settings_grid
 
     token_lengths, depth_fractions = parse_list(lengths, "--lengths", int), parse_list(depths, "--depths")
     if trials < 1:

@@ -20,8 +20,8 @@ def pool_settings(model: PreTrainedModel, settings: dict, tokens: int, batch: in
     and offloaded layer under ``settings``: rows sized as the policy stores them (compressed or 8-bit
     ones are smaller), over the layers it offloads."""
     from infinigen.architectures import model_spec, sliding_windows
-    from infinigen.runtime.policies import POLICIES
-    from infinigen.runtime.pool import row_bytes
+    from infinigen.runtime.memory.pool import row_bytes
+    from infinigen.runtime.selection.policies import POLICIES
 
     spec, config = model_spec(model.config), config_from(settings)
     policy = POLICIES[config.policy]

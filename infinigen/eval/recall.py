@@ -14,9 +14,9 @@ from collections import defaultdict
 
 import torch
 
-from infinigen.runtime import int8_rows
-from infinigen.runtime.layers import OffloadedLayer
-from infinigen.runtime.scoring import group_scores
+from infinigen.runtime.cache.layers import OffloadedLayer
+from infinigen.runtime.kernels import int8_rows
+from infinigen.runtime.kernels.scoring import group_scores
 
 
 class RecallProbe:

@@ -33,9 +33,9 @@ _LAZY = {
     "StepGraph": "infinigen.runtime.generation",
     "cache_argument": "infinigen.runtime.generation",
     "decode": "infinigen.runtime.generation",
-    "POLICIES": "infinigen.runtime.policies",
-    "reserve_host_memory": "infinigen.runtime.host_memory",
-    "host_pool_size": "infinigen.runtime.sizing",
+    "POLICIES": "infinigen.runtime.selection.policies",
+    "reserve_host_memory": "infinigen.runtime.memory.host_memory",
+    "host_pool_size": "infinigen.runtime.memory.sizing",
 }
 
 

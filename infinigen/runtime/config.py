@@ -8,7 +8,6 @@ module needs neither torch nor transformers.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import types
 from dataclasses import dataclass, field, fields
@@ -121,7 +120,7 @@ class RuntimeConfig:
         "per token, KV head and K/V kept on the GPU; dequantised as rows are fetched: half the bytes).",
         applies_to=("offloads", "plain_rows"),
     )
-    # auto: on where it pays and fits (runtime.reuse.decide): on a GPU, for budgeted policies with an
+    # auto: on where it pays and fits (memory.reuse.decide): on a GPU, for budgeted policies with an
     # unlimited pool, while the resident rows fit in reuse_gpu_gb or half the free GPU memory; on the
     # CPU only for resident_extra, so that CPU and GPU attend the same rows
     reuse_rows: ReuseRows = option(
@@ -153,7 +152,7 @@ class RuntimeConfig:
         "are reused (auto keeps fewer, then none, where memory is short).",
         applies_to=("budgeted",),
     )
-    # Tuning of the CUDA row gather (``runtime.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".
+    # Tuning of the CUDA row gather (``kernels.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".
     gather_programs: int | None = option(
         None, "Programs of the persistent CUDA gather (default: half the GPU's SMs).", cli=False
     )
@@ -207,29 +206,6 @@ class RuntimeConfig:
 
 
 RUNTIME_FIELDS = tuple(fields(RuntimeConfig))
-
-
-def settings_grid(values: dict[str, list]) -> list[dict]:
-    """Rows of settings, one per combination of ``values`` (field -> values; ``policy`` first): a
-    field varies only for the policies it applies to (its ``applies_to`` flags) and is None for the
-    others, which then run with its default. Names that are no policy (transformers' own caches,
-    in a benchmark) get no runtime settings at all."""
-    from infinigen.runtime.policies import POLICIES  # the registry needs torch; the config does not
-
-    rows = []
-    for name in values["policy"]:
-        policy = POLICIES.get(name)
-        axes = {}
-        for f in RUNTIME_FIELDS:
-            if f.name == "policy" or f.name not in values:
-                continue
-            applies = policy is not None and all(getattr(policy, flag) for flag in f.metadata["applies_to"])
-            axes[f.name] = values[f.name] if applies else [None]
-        for combination in itertools.product(*axes.values()):
-            row = {"policy": name, **dict(zip(axes, combination, strict=True))}
-            if row not in rows:
-                rows.append(row)
-    return rows
 
 
 def config_from(row: dict) -> RuntimeConfig:

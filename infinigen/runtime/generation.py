@@ -22,8 +22,8 @@ from transformers import PreTrainedModel
 
 from infinigen.errors import InfinigenError
 from infinigen.runtime.cache import InfinigenCache
-from infinigen.runtime.graphs import capture
-from infinigen.runtime.streams import side_stream
+from infinigen.runtime.cache.graphs import capture
+from infinigen.runtime.cache.streams import side_stream
 
 
 def cache_argument(model: PreTrainedModel) -> str:

@@ -1,0 +1,125 @@
+"""The attention function of a forward with an ``InfinigenCache``, registered with transformers as
+``ATTENTION`` (``AttentionInterface``; its masks are SDPA's, ``AttentionMaskInterface``).
+
+A decode step attends over the rows fetched for the layer plus the current token, through their
+per-head validity (``grouped_decode_attention``); multi-token steps attend densely. The cache of the
+running forward reaches the function through the block's attention module (``bind``), set by the
+block's hooks (``cache.hooks``) for the duration of the block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from infinigen.runtime.cache.layers import OffloadedLayer
+from infinigen.runtime.kernels import decode_attention
+from infinigen.runtime.kernels.triton_support import on_triton
+
+ATTENTION = "infinigen"
+# SDPA backends for every attention we run: cuDNN's builds a plan per new KV length (~1 ms of host
+# time per call on an H200, so once per layer and decode step).
+DENSE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+BOUND = "_infinigen_cache"  # the attribute a block's attention holds the running cache under, during the block
+
+
+def grouped_decode_attention(query, keys, values, valid, scaling, need_probs: bool = False):
+    """One query token over gathered rows. query (B, H, 1, d); keys/values (B, kv_heads, S, d);
+    valid (B, kv_heads or 1, S). Grouped-query heads share their KV head's rows (no repeat): each KV
+    head's group of queries is one short query sequence. Returns the output (B, 1, H, d), as
+    transformers' attention functions do, and, if ``need_probs``, the attention probabilities
+    (B, kv_heads, G, S) (else None)."""
+    batch, heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
+    if not need_probs and on_triton(query.device):  # split-KV kernel
+        out = decode_attention.split_decode_attention(grouped, keys, values, valid, scaling)
+        return out.reshape(batch, 1, heads, head_dim), None
+    if not need_probs:  # one fused kernel
+        with sdpa_kernel(DENSE_BACKENDS):
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, :, None, :], scale=scaling)
+        return out.reshape(batch, 1, heads, head_dim), None
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling  # (B, kv_heads, G, S)
+    probs = scores.masked_fill(~valid[:, :, None, :], -math.inf).softmax(dim=-1)
+    out = torch.matmul(probs.to(values.dtype), values)  # (B, kv_heads, G, d)
+    return out.reshape(batch, 1, heads, head_dim), probs
+
+
+def attention_mass(query, keys, mask, scaling, chunk: int = 256) -> torch.Tensor:
+    """Attention probability each key receives in a multi-token step, summed over the queries and each
+    KV head's group. query (B, H, T, d); keys (B, kv_heads, S, d); mask (B, 1, T, S) bool, or None
+    for plain causal. Returns (B, kv_heads, S) float32; queries in chunks bound the memory."""
+    batch, heads, length, head_dim = query.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    grouped = query.view(batch, kv_heads, heads // kv_heads, length, head_dim)
+    key_columns = keys[:, :, None].transpose(-1, -2)  # (B, kv_heads, 1, d, S)
+    mass = torch.zeros(batch, kv_heads, total, dtype=torch.float32, device=query.device)
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        scores = torch.matmul(grouped[:, :, :, start:stop], key_columns).float() * scaling  # (B, kv, G, c, S)
+        if mask is not None:
+            allowed = mask[:, :, None, start:stop]
+        else:
+            positions = torch.arange(start, stop, device=query.device) + total - length
+            allowed = torch.arange(total, device=query.device) <= positions[:, None]
+        probs = scores.masked_fill(~allowed, -math.inf).softmax(dim=-1).nan_to_num(0.0)  # padding rows: 0
+        mass += probs.sum(dim=(2, 3))
+    return mass
+
+
+def dense_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, on ``DENSE_BACKENDS``."""
+    with sdpa_kernel(DENSE_BACKENDS):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def bind(attention: nn.Module, cache) -> None:
+    """Give a decoder block's attention the cache of the running forward, for that block only."""
+    setattr(attention, BOUND, cache)
+
+
+def unbind(attention: nn.Module) -> None:
+    vars(attention).pop(BOUND, None)
+
+
+def bound_cache(attention: nn.Module):
+    """The ``InfinigenCache`` of the running forward, while its block runs; else None."""
+    return vars(attention).get(BOUND)
+
+
+def infinigen_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """The attention of a forward given an ``InfinigenCache``: a decode step attends over the
+    layer's fetched rows through their validity; a multi-token step densely, marking padding and
+    reporting attention mass to the policies that observe it. Without a bound cache (the name set
+    on a model by hand): SDPA, which the registered mask function (``sdpa_mask``) suits."""
+    cache = bound_cache(module)
+    if cache is None:
+        return dense_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    layer = cache.layers[module.layer_idx]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    offloaded = isinstance(layer, OffloadedLayer)
+    observes = offloaded and layer.policy.observes_attention
+    if layer.attention_valid is not None:  # a decode step: the layer's validity is the mask
+        if offloaded and cache.diagnostics.decode_probe is not None:
+            cache.diagnostics.decode_probe(layer, query)
+        out, probs = grouped_decode_attention(query, key, value, layer.attention_valid, scale, need_probs=observes)
+        if observes:
+            layer.policy.attended(layer, layer.attention_slots, probs.sum(dim=2))
+        return out, None
+    mask = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
+    if mask is not None:
+        layer.mark_padding(mask[:, 0, -1, -query.shape[2] :])
+    if observes:
+        layer.policy.attended(layer, None, attention_mass(query, key, mask, scale))
+    return dense_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(ATTENTION, infinigen_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)

@@ -1,0 +1,71 @@
+"""What a cache's CPU pools take, from the model's config and the runtime settings alone: which
+layers offload, how many tokens a limited pool holds, and the host memory a prompt's pools take
+(``host_pool_size``, what ``reserve_host_memory`` should pin before the weights are loaded, so that
+the first prefill does not wait for its blocks: ``infinigen generate`` does this)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infinigen.architectures import model_spec, sliding_windows
+from infinigen.runtime.config import config_from
+from infinigen.runtime.memory.host_memory import WORKERS
+from infinigen.runtime.memory.pool import row_bytes
+from infinigen.runtime.selection.policies import policy_class
+
+
+def offloaded_layer_indices(model_config, dense_layers: int, offloads: bool) -> list[int]:
+    """The layers whose KV goes to a CPU pool. Sliding-window layers keep their window on the device
+    whatever the policy (``SlidingLayer``); of the others, layers 0 .. dense_layers-1 keep their KV
+    there too (every layer where the policy does not offload). ``dense_layers`` counts layers, not
+    full-attention ones: what it guards against, speculating from a residual stream that is still
+    changing fast, depends on the depth alone."""
+    windows = sliding_windows(model_config)
+    dense = len(windows) if not offloads else dense_layers
+    return [i for i, window in enumerate(windows) if window is None and i >= dense]
+
+
+def pool_limit(
+    cpu_pool_gb: float | None, n_offloaded: int, batch: int, kv_heads: int, row_bytes: int, block_tokens: int
+) -> int | None:
+    """Tokens per (batch row, KV head) each offloaded layer's pool may hold within ``cpu_pool_gb``
+    (whole blocks where it holds one), or None: no limit."""
+    if cpu_pool_gb is None or n_offloaded == 0:
+        return None
+    tokens = int(cpu_pool_gb * 1e9 // (n_offloaded * batch * kv_heads * row_bytes))  # GB: 10^9 bytes, as every *_gb
+    return tokens - tokens % block_tokens if tokens >= block_tokens else tokens
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    blocks: int  # pool blocks, over every offloaded layer
+    block_bytes: int  # each: ``block_tokens`` rows of every (batch row, KV head)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.block_bytes
+
+    def reservation_bytes(self, regions: int = WORKERS) -> int:
+        """What ``reserve_host_memory`` needs to hold these blocks in ``regions`` regions: each region
+        holds whole blocks, so up to a block's slack each."""
+        return self.nbytes + regions * self.block_bytes if self.blocks else 0
+
+
+def host_pool_size(model_config, batch: int, tokens: int, dtype: torch.dtype, ranks: int = 1, **settings) -> PoolSize:
+    """The pool blocks a cache with ``settings`` (``RuntimeConfig``'s fields) holds once ``batch`` rows
+    of up to ``tokens`` tokens each (prompt and new tokens) are cached in ``dtype``, on one of
+    ``ranks`` tensor-parallel ranks (None in ``settings``: the field's default). A limited pool
+    (``cpu_pool_gb``) holds at most its limit."""
+    config = config_from(settings)
+    policy = policy_class(config.policy)
+    spec = model_spec(model_config)
+    n_offloaded = len(offloaded_layer_indices(model_config, config.dense_layers, policy.offloads))
+    kv_heads = spec.n_kv_heads // ranks
+    rows = row_bytes(spec.head_dim, dtype, policy.codec, config.kv_bits)
+    pool_gb = None if config.cpu_pool_gb is None else config.cpu_pool_gb / ranks
+    limit = pool_limit(pool_gb, n_offloaded, batch, kv_heads, rows, config.block_tokens)
+    tokens = tokens if limit is None else min(tokens, limit)
+    per_layer = -(-tokens // config.block_tokens)
+    return PoolSize(n_offloaded * per_layer, batch * kv_heads * config.block_tokens * rows)

@@ -1,8 +1,0 @@
-"""dense: the whole KV cache on the compute device; the exactness and speed reference."""
-
-from infinigen.runtime.policies.base import Policy
-
-
-class DensePolicy(Policy):
-    name = "dense"
-    offloads = False
