@@ -224,6 +224,16 @@ def _tokenizer(target: str, kwargs: dict, config: PretrainedConfig) -> PreTraine
     return AutoTokenizer.from_pretrained(target, **kwargs)
 
 
+def model_config(name: str | None = None) -> PretrainedConfig:
+    """MODEL's config alone (see ``load_model``): what the memory plan reads before any weight loads."""
+    target, kwargs, source = locate(name)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    with _load_errors(source):
+        config = AutoConfig.from_pretrained(target, **kwargs)
+        model_spec(config)
+    return config
+
+
 # called with the model's config, its tokenizer, the dtype and the device the weights will load in
 BeforeWeights = Callable[[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype, torch.device], None]
 

@@ -140,6 +140,26 @@ def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
     assert again["stats"]["bytes_host_to_device"] < plain_report["stats"]["bytes_host_to_device"]
 
 
+def test_generate_plans_its_memory_before_the_weights_load(prepared, monkeypatch):
+    """Under a GPU budget the run is planned from the config: a budget that fits gives the same text as
+    none, with the plan in the summary; one the weights alone exceed is refused in one line, before any
+    weight loads."""
+    folder, out = prepared("llama")
+    args = ("generate", str(folder), "--artifact", str(out), "--prompt", "the house was old", "--device", "cpu")
+    args += ("--max-new-tokens", "6", "--json")
+    free, planned = invoke(*args), invoke(*args, "--gpu-memory-gb", "2")
+    assert free.exit_code == 0 and planned.exit_code == 0, planned.output
+    report = json.loads(planned.stdout)
+    assert report["outputs"] == json.loads(free.stdout)["outputs"]
+    plan = report["stats"]["memory_plan"]
+    assert plan["gpu_budget_gb"] == float(f"{2 - 600 * 2**20 / 1e9:.4g}") and 0 < plan["planned_peak_gpu_gb"] < 0.1
+    loads = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a))
+    refused = invoke(*args, "--gpu-memory-gb", "0.6")
+    assert refused.exit_code == 2 and "does not fit:" in refused.output and "the weights alone" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1 and not loads
+
+
 def test_generate_pins_its_pools_while_the_weights_load(prepared, monkeypatch):
     """The prompt's pools are reserved before the weights load (beside it), and the prefill's blocks
     are carved from that reservation; a policy without a pool reserves nothing."""
@@ -149,6 +169,7 @@ def test_generate_pins_its_pools_while_the_weights_load(prepared, monkeypatch):
     events: list[str] = []
     reserve, load = host_memory.reserve_host_memory, AutoModelForCausalLM.from_pretrained
     monkeypatch.setattr(host_memory, "_reserved", host_memory.defaultdict(list))
+    monkeypatch.setattr(host_memory, "_retired", [])  # no blocks of an earlier test's caches to reuse
     monkeypatch.setattr(host_memory, "reserve_host_memory", lambda *a: (events.append("reserve"), reserve(*a))[1])
     loading = lambda *a, **k: (events.append("weights"), load(*a, **k))[1]  # noqa: E731
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", loading)

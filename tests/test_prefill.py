@@ -1,5 +1,5 @@
-"""Multi-token steps after the first (transformers' chunked prefill): later chunks read every cached
-row back from the pool (``KVPool.read_range``) and attend densely over it."""
+"""Multi-token steps after the first (transformers' chunked prefill): later chunks read the cached rows
+back from the pool a block at a time (``KVPool.read_rows``) and attend over them block by block."""
 
 from __future__ import annotations
 
@@ -32,14 +32,15 @@ def test_chunked_prefill_is_exact(tokenizer, arch, policy, device):
 
 @pytest.mark.parametrize("policy,settings", [("int4", {}), ("infinigen", {"kv_bits": 8})])
 def test_chunked_prefill_reads_rows_as_the_gather_would(tokenizer, policy, settings, device, monkeypatch):
-    """A later chunk reads the earlier ones as block copies (``KVPool.read_range``): the same logits as
-    through the row gather of every slot, for rows a codec compresses and for 8-bit rows."""
+    """A later chunk reads the earlier ones as block copies (``KVPool.read_rows``), in blocks smaller than
+    the past: the same logits as through the row gather of the same slots, for rows a codec compresses
+    and for 8-bit rows."""
     model, artifact = tiny_setup(tokenizer, "llama", device)
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(3)).tolist() for n in (13, 23)]
     inputs = padded_batch(prompts, pad=1, device=device)
 
     def generated() -> torch.Tensor:  # every step's logits (steps, B, vocab)
-        cache = cache_for(model, artifact, policy=policy, **settings)
+        cache = cache_for(model, artifact, policy=policy, prefill_block_tokens=5, **settings)
         kwargs = {cache_argument(model): cache, "prefill_chunk_size": 8, "pad_token_id": 1}
         out = model.generate(
             **inputs, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs
@@ -49,12 +50,46 @@ def test_chunked_prefill_reads_rows_as_the_gather_would(tokenizer, policy, setti
     by_blocks = generated()
     reads = []
 
-    def gathered(pool, end, out):
-        reads.append(end)
-        pool.gather(torch.arange(end, device=out.device).expand(*out.shape[:2], end), None, out)
+    def gathered(pool, lo, hi, staged, dtype):
+        reads.append((lo, hi))
+        out = torch.empty(*staged.shape[:2], 2, hi - lo, staged.shape[-1], dtype=dtype, device=staged.device)
+        pool.gather(torch.arange(lo, hi, device=out.device).expand(*out.shape[:2], hi - lo), None, out)
+        return out.transpose(2, 3)
 
-    monkeypatch.setattr(KVPool, "read_range", gathered)
-    assert torch.equal(generated(), by_blocks) and reads, "the same logits; the chunks read the pool"
+    monkeypatch.setattr(KVPool, "read_rows", gathered)
+    assert torch.equal(generated(), by_blocks), "the same logits"
+    assert (0, 5) in reads and (5, 8) in reads and (15, 16) in reads, "the chunks read the pool 5 slots at a time"
+
+
+def test_block_attention_merges_to_sdpa(device):
+    """A chunk's attention over blocks of keys (grouped heads, a masked key, a causal last block), merged
+    by log-sum-exp, equals SDPA over all of them; a query that may read no key gives 0, and one that may
+    read no key of a block still reads the others (a left-padded row's first block)."""
+    from torch.nn import functional as F
+
+    from infinigen.runtime.kernels.chunk_attention import merged_attention
+
+    torch.manual_seed(0)
+    dtype = torch.float32
+    query = torch.randn(2, 4, 6, 16, device=device, dtype=dtype)
+    keys, values = (torch.randn(2, 2, 15, 16, device=device, dtype=dtype) for _ in range(2))
+    allowed = torch.ones(2, 1, 6, 15, dtype=torch.bool, device=device).tril(diagonal=9)
+    allowed[1, :, :, 3] = False  # a padding key of row 1
+    allowed[0, :, 0] = False  # a query of row 0 that reads nothing
+    allowed[1, :, 2, :4] = False  # one of row 1 that reads nothing of the first block (padding), then keys
+    expected = F.scaled_dot_product_attention(
+        query, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=allowed, scale=0.3
+    ).transpose(1, 2)
+    spans = [(0, 4), (4, 9), (9, 15)]
+    blocks = [(keys[:, :, a:b], values[:, :, a:b], allowed[..., a:b], False) for a, b in spans]
+    got = merged_attention(query, blocks, 0.3)
+    assert torch.allclose(got[:, 1:], expected[:, 1:], atol=1e-5) and torch.allclose(got[1], expected[1], atol=1e-5)
+    assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
+    causal = [(keys[:, :, :9], values[:, :, :9], None, False), (keys[:, :, 9:], values[:, :, 9:], None, True)]
+    expected = F.scaled_dot_product_attention(
+        query, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=allowed.new_ones(6, 15).tril(9)
+    )
+    assert torch.allclose(merged_attention(query, causal, 0.25), expected.transpose(1, 2), atol=1e-5)
 
 
 def test_prefill_chunks_count_in_bytes_not_in_the_fraction_fetched(tokenizer, device):

@@ -27,7 +27,9 @@ from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
 from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument
 from infinigen.runtime.config import config_from
-from infinigen.tensor_parallel import together
+from infinigen.runtime.generation import prefill
+from infinigen.runtime.memory import plan as memory
+from infinigen.tensor_parallel import together, weight_bytes, world_size
 
 GRAPHS = ("step", "selection", "off")  # BenchCase.graphs
 
@@ -64,6 +66,8 @@ class BenchCase:
     ratio: float = DEFAULT_RATIO  # the artifact's partial channels (speculating policies)
     # further RuntimeConfig fields (a ``settings_grid`` row; None: the field's default)
     runtime: dict = field(default_factory=dict)
+    prefill_chunk: int | None = None  # the prompt's chunks, as ``generate`` prefills (None: one forward)
+    planned: dict | None = None  # the memory plan's settings for the cache (``planned``), where they differ
 
     def __post_init__(self) -> None:
         if self.graphs not in GRAPHS:
@@ -75,6 +79,8 @@ class BenchCase:
 
     @property
     def config(self) -> RuntimeConfig:
+        if self.planned is not None:
+            return RuntimeConfig(**self.planned)
         return config_from({**self.runtime, "policy": self.policy, "cuda_graphs": self.graphs != "off"})
 
 
@@ -86,6 +92,7 @@ def bench_cases(
     *,
     graphs: list[str] = ("step",),
     ratios: list[float] = (DEFAULT_RATIO,),
+    prefill_chunk: int | None = None,
 ) -> list[BenchCase]:
     """Every context x batch x ``settings`` row (``settings_grid``: runtime sweeps already vary only
     the policies they change), times the graph modes (our caches) and the artifact ratios
@@ -98,7 +105,8 @@ def bench_cases(
             graphs if policy is not None else graphs[:1], ratios if speculates else ratios[:1]
         ):
             runtime = {key: value for key, value in row.items() if key != "policy"}
-            cases.append(BenchCase(row["policy"], b, n, gen_len, graphs=graph, ratio=ratio, runtime=runtime))
+            case = BenchCase(row["policy"], b, n, gen_len, graphs=graph, ratio=ratio, runtime=runtime)
+            cases.append(replace(case, prefill_chunk=prefill_chunk))
     return cases
 
 
@@ -137,9 +145,11 @@ class Decoder:
         self.token = logits.argmax(-1, keepdim=True)
 
     def prefill_seconds(self) -> float:
+        """The prompt as ``generate`` feeds it: in chunks of ``case.prefill_chunk`` tokens."""
         _sync(self.device)
         start = time.perf_counter()
-        self.forward(self.ids)
+        mask = torch.ones_like(self.ids)
+        self.token = prefill(self.model, self.cache, self.ids, mask, self.case.prefill_chunk).argmax(-1, keepdim=True)
         _sync(self.device)
         return time.perf_counter() - start
 
@@ -330,6 +340,23 @@ def breakdown(
     }
 
 
+def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) -> tuple[BenchCase, dict | None, dict]:
+    """``case`` as the memory plan runs it, the row of a case the plan refuses (else None), and what the
+    row says of the plan. transformers' caches are not planned: where they do not fit, their error is
+    their row."""
+    if not case.ours:
+        return case, None, {}
+    dtype = next(model.parameters()).dtype
+    subject = memory.Model(model.config, weight_bytes(model) * world_size())
+    work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
+    found = memory.plan(subject, dtype, work, case.config, budget, ranks=world_size())
+    said = {"planned_peak_gpu_gb": memory.gb(found.peak_gpu), "given_up": "; ".join(found.shed) or None}
+    if not found.fits:
+        return case, case_settings(case) | {"error": "does not fit: " + memory.refusal(found, subject, dtype)}, said
+    planned = replace(case, planned=memory.cache_settings(found), prefill_chunk=found.workload.prefill_chunk)
+    return planned, None, said
+
+
 def case_label(case: BenchCase) -> str:
     """A bench case for a progress bar: policy (budget), batch x context."""
     budget = case.runtime.get("budget")
@@ -346,19 +373,25 @@ def run_sweep(
     split: bool = False,
     on_case: Callable[[str], None] = lambda label: None,
     on_row: Callable[[dict], None] = lambda row: None,
+    budget: int | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Every case (``artifacts``: per ratio), then with ``split`` the ``breakdown`` of the offloaded
     ones: (result rows, breakdown rows). ``on_case`` hears each case as it starts, ``on_row`` each
-    result row as it finishes."""
+    result row as it finishes. Our cases run as the memory plan under ``budget`` (GPU bytes) has them;
+    one it cannot fit is a row with its reason."""
     device = next(model.parameters()).device
     # The first case of a process runs slower (one-time library and autotuning work): an untimed
     # short run of it goes first.
-    first = replace(cases[0], gen_len=2, warmup=1)
-    unless_out_of_memory(functools.partial(run_case, model, artifacts[first.ratio], first, text_ids), first, device)
+    first, refused, _ = planned_case(model, replace(cases[0], gen_len=2, warmup=1), budget)
+    if refused is None:
+        warm = functools.partial(run_case, model, artifacts[first.ratio], first, text_ids)
+        unless_out_of_memory(warm, first, device)
     rows, splits = [], []
     for case in cases:
         on_case(case_label(case))
-        rows.append(run_repeated(model, artifacts[case.ratio], case, repeat, text_ids))
+        case, refused, planned = planned_case(model, case, budget)
+        row = refused or run_repeated(model, artifacts[case.ratio], case, repeat, text_ids)
+        rows.append(row | planned)
         on_row(rows[-1])
     for case in cases if split else []:
         if case.policy in ("full", "infinigen"):

@@ -116,10 +116,9 @@ def rank_share(shape: dict, ranks: int) -> dict:
 SHAPES.update({f"llama-3-70b-tp{n}-rank": rank_share(SHAPES["llama-3-70b"], n) for n in (2, 4)})
 
 
-def random_model(shape: str, device: str, dtype: torch.dtype, layers: int | None = None) -> PreTrainedModel:
-    """Random weights of ``shape`` on ``device``; under torchrun sharded over the ranks (their devices).
-    ``layers``: this many decoder layers, each of the shape's size, instead of the shape's count (a
-    70B shape's prefill at 128K tokens takes minutes; a decode step and its memory grow by layer)."""
+def shape_config(shape: str, layers: int | None = None, positions: int | None = None):
+    """The config of ``shape``; ``layers``: this many decoder layers, each of the shape's size, instead of
+    the shape's count; ``positions``: at least this many positions (a random shape's are only a number)."""
     if shape not in SHAPES:
         raise InfinigenError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
     fields = dict(SHAPES[shape])
@@ -127,7 +126,16 @@ def random_model(shape: str, device: str, dtype: torch.dtype, layers: int | None
         if layers < 2:  # speculation reads the layer before an offloaded one
             raise InfinigenError(f"--layers must be at least 2, got {layers}")
         fields["num_hidden_layers"] = layers
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if positions is not None and fields["model_type"] != "opt":  # OPT learns its positions: a fixed table
+        fields["max_position_embeddings"] = max(positions, fields["max_position_embeddings"])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def random_model(shape: str, device: str, dtype: torch.dtype, layers: int | None = None) -> PreTrainedModel:
+    """Random weights of ``shape`` on ``device``; under torchrun sharded over the ranks (their devices).
+    ``layers``: this many decoder layers, each of the shape's size, instead of the shape's count (a
+    70B shape's prefill at 128K tokens takes minutes; a decode step and its memory grow by layer)."""
+    config = shape_config(shape, layers)
     if world_size() > 1:
         return _sharded_random_model(config, dtype)
     with torch.device(device):

@@ -74,6 +74,12 @@ ProfileOpt = Annotated[
         "kernels, the transfer stream's idle gaps), memory (what the GPU holds by allocating line); comma-separated."
     ),
 ]
+PrefillChunkOpt = Annotated[
+    int,
+    typer.Option(
+        help="Prefill in chunks of this many tokens, as `generate` does (the plan may halve it); 0: one pass."
+    ),
+]
 PlotOpt = Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs context and vs batch (or --micro's).")]
 
 
@@ -98,6 +104,7 @@ def bench(
     micro_contexts: MicroContextsOpt = "4096,16384,32768,131072",
     reserve_host_gb: ReserveHostOpt = 0.0,
     profile: ProfileOpt = None,
+    prefill_chunk: PrefillChunkOpt = 4096,
     plot: PlotOpt = None,
     dtype: Annotated[str, typer.Option(help="Model dtype.")] = "bfloat16",
     device: DeviceOpt = None,
@@ -122,6 +129,7 @@ def bench(
     from infinigen.models import resolve_device
     from infinigen.prepare import DEFAULT_RATIO
     from infinigen.runtime.memory import host_memory
+    from infinigen.runtime.memory import plan as memory
     from infinigen.runtime.selection.policies import settings_grid
     from infinigen.tensor_parallel import summed, weight_bytes, world_size
 
@@ -134,6 +142,8 @@ def bench(
     modes, ratios = parse_list(graphs, "--graphs", str), parse_list(ratio, "--ratio")
     contexts = parse_list(micro_contexts, "--micro-contexts", int)
     device = resolve_device(device)
+    gpu_memory_gb = _one(runtime.pop("gpu_memory_gb"), "--gpu-memory-gb")
+    occupier = _occupied(gpu_memory_gb, device)  # before anything here touches the device
     profiles = parse_profiles(profile) if profile is not None else ()
     if profiles and not device.startswith("cuda"):
         raise InfinigenError(
@@ -145,6 +155,8 @@ def bench(
     reserved = []
     if reserve_host_gb:
         reserved = host_memory.reserve_host_memory(int(reserve_host_gb * 1e9), torch.device(device))
+    budget = memory.budget_bytes(gpu_memory_gb, torch.device(device))
+    _weights_fit(shape, model, layers, dtype, device, budget)
     subject = load_subject(shape, model, artifact, None if text is None else str(text), device, dtype, layers)
     loaded_s = time.perf_counter() - start
     for region in reserved:  # pinned before anything is timed
@@ -158,6 +170,9 @@ def bench(
         "dtype": dtype,
         "device": card,
         "weights_gb": round(weights_gb, 2),
+        "gpu_memory_gb": gpu_memory_gb,  # the card's usable memory, the rest held by another process
+        "gpu_held_by_another_process_gb": round(occupier.held_bytes / 1e9, 2) if occupier else None,
+        "gpu_budget_gb": memory.gb(budget) if budget is not None else None,
     }
     if reserved:  # beside the loading; what was left of it waited for before the first case
         reserved_s = time.perf_counter() - start
@@ -171,14 +186,19 @@ def bench(
             _print_micro(report)
         return
     grid = settings_grid(runtime)
-    cases = [case for b, n in pairs for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios)]
+    chunk = prefill_chunk or None
+    cases = [
+        case
+        for b, n in pairs
+        for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios, prefill_chunk=chunk)
+    ]
     artifacts = subject_artifacts(subject, cases)
     bandwidth = pinned_bandwidth(device)
     report["pinned_h2d_gb_s"] = round(bandwidth, 1) if bandwidth is not None else None
     if world_size() > 1:  # the physical limit: every rank's link in use at once (each rank's rows are its own)
         report["ranks"] = world_size()
         report["pinned_h2d_all_ranks_gb_s"] = round(summed(bandwidth, device), 1) if bandwidth is not None else None
-    results, split_rows = _run(subject, artifacts, cases, repeat, breakdown, as_json)
+    results, split_rows = _run(subject, artifacts, cases, repeat, breakdown, as_json, budget)
     report |= {"results": results, "breakdown": split_rows}
     if profiles:
         report["profiles"] = _profiled(subject, artifacts, cases, profiles, as_json)
@@ -200,7 +220,42 @@ def _sizes(text: str) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
-def _run(subject, artifacts: dict, cases: list, repeat: int, breakdown: bool, as_json: bool) -> tuple[list, list]:
+def _one(values: list, option: str):
+    """A setting of the whole process, not of a case: one value."""
+    if len(values) != 1:
+        raise InfinigenError(f"{option} takes one value in a benchmark (the card it simulates), got {len(values)}")
+    return values[0]
+
+
+def _occupied(gpu_memory_gb: float | None, device: str):
+    """With --gpu-memory-gb on CUDA: another process holding the rest of the device (``bench.occupy``)."""
+    if gpu_memory_gb is None or not device.startswith("cuda"):
+        return None
+    from infinigen.bench.occupy import Occupier
+
+    return Occupier(gpu_memory_gb, device)
+
+
+def _weights_fit(shape: str, model: str | None, layers: int | None, dtype: str, device: str, budget) -> None:
+    """Refuse, before anything is built, a model whose weights alone exceed the budget."""
+    if budget is None:
+        return
+    from infinigen.bench.shapes import shape_config
+    from infinigen.models import model_config, parse_dtype
+    from infinigen.runtime.memory import plan as memory
+
+    config = model_config(model) if model is not None else shape_config(shape, layers)
+    weights = memory.model_of(config, parse_dtype(dtype, device)).weight_bytes
+    if weights > budget:
+        raise InfinigenError(
+            f"the weights alone ({memory.gb(weights)} GB) exceed the GPU budget ({memory.gb(budget)} GB): "
+            "weights in host memory are not supported yet"
+        )
+
+
+def _run(
+    subject, artifacts: dict, cases: list, repeat: int, breakdown: bool, as_json: bool, budget: int | None
+) -> tuple[list, list]:
     """The sweep, with a progress bar for people or each row on stderr as JSON for machines."""
     from infinigen.bench.runs import run_sweep
 
@@ -221,6 +276,7 @@ def _run(subject, artifacts: dict, cases: list, repeat: int, breakdown: bool, as
             split=breakdown,
             on_case=on_case,
             on_row=stream_row if as_json else lambda row: None,
+            budget=budget,
         )
         bar.update(running, completed=len(cases) + splits)
     return rows

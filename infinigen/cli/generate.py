@@ -48,6 +48,7 @@ def generate(
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
     from infinigen.runtime import RuntimeConfig, cache_for, host_pool_size, reserve_host_memory
+    from infinigen.runtime.memory import plan as memory
     from infinigen.runtime.text import Sampling, generate_text
 
     prompts = _prompts(prompt, prompt_file, batch_file)
@@ -58,22 +59,34 @@ def generate(
     if device is None and not torch.cuda.is_available():
         err_console.print("no CUDA device: running on the CPU (slowly)")
 
-    def start_pinning(model_config, tokenizer, torch_dtype: torch.dtype, on: torch.device) -> None:
-        """The prompts' pools pinned on worker threads while the weights load: a process's first
-        prefill would otherwise wait for its blocks (BENCHMARKS.md, "Prefill")."""
+    planned: list[memory.MemoryPlan] = []
+
+    def plan_and_pin(model_config, tokenizer, torch_dtype: torch.dtype, on: torch.device) -> None:
+        """Before the weights load: the memory plan (a run that cannot fit is refused here), then the
+        prompts' pools pinned on worker threads while the weights load: a process's first prefill would
+        otherwise wait for its blocks (BENCHMARKS.md, "Prefill")."""
         longest = max(len(ids) for ids in tokenizer(_templated(prompts, tokenizer, chat))["input_ids"])
         tokens = longest + max_new_tokens
         if tokens > getattr(model_config, "max_position_embeddings", tokens):
             return  # refused once the model is loaded, with the reason
-        size = host_pool_size(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(config))
+        subject = memory.model_of(model_config, torch_dtype)
+        work = memory.Workload(len(prompts), longest, max_new_tokens, prefill_chunk or None)
+        budget = memory.budget_bytes(config.gpu_memory_gb, on)
+        found = memory.plan(subject, torch_dtype, work, config, budget, ranks=world_size())
+        if not found.fits:
+            raise InfinigenError("does not fit: " + memory.refusal(found, subject, torch_dtype))
+        planned.append(found)
+        size = host_pool_size(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(found.config))
         if size.blocks:
             reserve_host_memory(size.reservation_bytes(), on)
 
-    loaded = load_model(model, device=device, dtype=dtype, before_weights=start_pinning)
+    loaded = load_model(model, device=device, dtype=dtype, before_weights=plan_and_pin)
     checked = open_artifact(artifact, loaded.model) if artifact is not None else None
     tokenizer = loaded.tokenizer
     prompts = _templated(prompts, tokenizer, chat)
-    with cache_for(loaded.model, checked, **vars(config)) as cache:
+    settings = memory.cache_settings(planned[0]) if planned else vars(config)
+    chunk = planned[0].workload.prefill_chunk or 0 if planned else prefill_chunk
+    with cache_for(loaded.model, checked, **settings) as cache:
         texts, stats = generate_text(
             loaded.model,
             tokenizer,
@@ -81,9 +94,11 @@ def generate(
             cache,
             max_new_tokens=max_new_tokens,
             sampling=sampling,
-            prefill_chunk=prefill_chunk,
+            prefill_chunk=chunk,
             stream=not as_json and rank() == 0,  # every rank decodes the same tokens: one prints them
         )
+    if planned:
+        stats["memory_plan"] = memory.summary(planned[0])
     if printed_json({"outputs": texts, "stats": stats}, as_json):
         return
     if len(prompts) > 1:
@@ -91,6 +106,7 @@ def generate(
             console.print(f"[bold]\\[{i}][/] {text}", highlight=False)
     console.print()
     shown = {key: human_bytes(value) if "bytes" in key else value for key, value in stats.items() if key != "per_layer"}
+    shown |= {key: value for key, value in shown.pop("memory_plan", {}).items() if value is not None}
     ranks = world_size()  # the statistics are rank 0's: the bytes of its KV heads
     print_pairs(f"{config.policy} on {loaded.model.device}" + (f", rank 0 of {ranks}" if ranks > 1 else ""), shown)
 

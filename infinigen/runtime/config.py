@@ -86,6 +86,12 @@ class RuntimeConfig:
         "counter", "What a full CPU pool overwrites: counter (the paper) | fifo | lru.", applies_to=("offloads",)
     )
     block_tokens: int = option(1024, "The CPU pool grows by blocks of this many tokens.", cli=False)
+    # A later prefill chunk reads the earlier chunks' KV this many tokens at a time (two such blocks staged
+    # on the GPU per layer, and one block's keys repeated for each query head of a group): the prefill's
+    # attention workspace, whatever the context.
+    prefill_block_tokens: int = option(
+        4096, "A later prefill chunk attends to the earlier chunks' KV this many tokens at a time.", cli=False
+    )
     cuda_graphs: bool = option(
         True, "On CUDA, replay decode steps (or each layer's selection) from CUDA graphs.", cli=False
     )
@@ -152,6 +158,14 @@ class RuntimeConfig:
         "are reused (auto keeps fewer, then none, where memory is short).",
         applies_to=("budgeted",),
     )
+    # What the memory plan (``memory.plan``) fits a run into: its automatic choices (row reuse, rows of
+    # earlier steps, dense layers, the prefill chunk) come from it, and a run it cannot fit is refused
+    # before the weights load.
+    gpu_memory_gb: float | None = option(
+        None,
+        "GPU memory in GB (10^9 bytes) the run may use, weights included; the memory plan fits the run into it "
+        "or refuses it. Default: the device's free memory at start.",
+    )
     # Tuning of the CUDA row gather (``kernels.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".
     gather_programs: int | None = option(
         None, "Programs of the persistent CUDA gather (default: half the GPU's SMs).", cli=False
@@ -182,8 +196,8 @@ class RuntimeConfig:
             raise InfinigenError("dense_layers and attention_lookahead_layers must be >= 0")
         if self.sink_tokens < 0 or self.recent_tokens < 0:
             raise InfinigenError("sink_tokens and recent_tokens must be >= 0")
-        if self.min_tokens < 1 or self.block_tokens < 1:
-            raise InfinigenError("min_tokens and block_tokens must be >= 1")
+        if self.min_tokens < 1 or self.block_tokens < 1 or self.prefill_block_tokens < 1:
+            raise InfinigenError("min_tokens, block_tokens and prefill_block_tokens must be >= 1")
         if self.gather_programs is not None and self.gather_programs < 1:
             raise InfinigenError(f"gather_programs must be >= 1 (None: half the SMs), got {self.gather_programs}")
         if self.gather_rows is not None and (self.gather_rows < 1 or self.gather_rows & (self.gather_rows - 1)):
@@ -192,6 +206,8 @@ class RuntimeConfig:
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
         if self.reuse_gpu_gb is not None and not (0 <= self.reuse_gpu_gb < math.inf):
             raise InfinigenError(f"reuse_gpu_gb must be >= 0 (None: half the free GPU memory), got {self.reuse_gpu_gb}")
+        if self.gpu_memory_gb is not None and not (0 < self.gpu_memory_gb < math.inf):
+            raise InfinigenError(f"gpu_memory_gb must be positive, got {self.gpu_memory_gb}")
         if self.resident_extra is not None and not 0 <= self.resident_extra <= 8:
             raise InfinigenError(f"resident_extra must be in [0, 8], got {self.resident_extra}")
         if self.resident_extra and self.reuse_rows == "off":

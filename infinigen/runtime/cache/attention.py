@@ -10,6 +10,7 @@ block's hooks (``cache.hooks``) for the duration of the block.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -19,8 +20,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from infinigen.runtime.cache.layers import OffloadedLayer
-from infinigen.runtime.kernels import decode_attention
+from infinigen.runtime.cache.layers import DenseLayer, OffloadedLayer
+from infinigen.runtime.kernels import chunk_attention, decode_attention
 from infinigen.runtime.kernels.triton_support import on_triton
 
 ATTENTION = "infinigen"
@@ -118,7 +119,74 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
         layer.mark_padding(mask[:, 0, -1, -query.shape[2] :])
     if observes:
         layer.policy.attended(layer, None, attention_mass(query, key, mask, scale))
+    past = layer.past if offloaded else key.shape[2] - query.shape[2] if isinstance(layer, DenseLayer) else 0
+    if past > 0 and (mask is not None or attention_mask is None):
+        blocks = _past_and_chunk(cache, layer, key, value, mask, past)
+        return chunk_attention.merged_attention(query, blocks, scale), None
     return dense_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def _past_and_chunk(cache, layer, key, value, mask, past: int) -> Iterator[chunk_attention.Block]:
+    """A later prefill chunk's keys in blocks: the earlier tokens (an offloaded layer's from its pool, a
+    dense layer's from its buffer), then the chunk's own, causal. Masks only where some key is padding."""
+    padded = mask is not None and not bool(mask[:, 0, -1].all())  # the last query reads every real key
+    if isinstance(layer, OffloadedLayer):
+        earlier = pool_blocks(cache, layer, past)
+        chunk_keys, chunk_values = key, value
+    else:
+        step = cache.config.prefill_block_tokens
+        spans = ((lo, min(lo + step, past)) for lo in range(0, past, step))
+        earlier = ((key[:, :, lo:hi], value[:, :, lo:hi]) for lo, hi in spans)
+        chunk_keys, chunk_values = key[:, :, past:], value[:, :, past:]
+    lo = 0
+    for keys, values in earlier:
+        yield keys, values, mask[:, :, :, lo : lo + keys.shape[2]] if padded else None, False
+        lo += keys.shape[2]
+    yield chunk_keys, chunk_values, mask[:, :, :, past:] if padded else None, True
+
+
+def pool_blocks(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values (B, kv_heads, n, d) of slots 0 .. end-1, ``prefill_block_tokens`` at a time,
+    for a later prefill chunk's attention (``kernels.chunk_attention``): each block copied from the
+    pool into one of two staging buffers on the transfer stream, the next block's copy queued before
+    the current one is attended, so copies run beside the attention. The workspace is two blocks,
+    never the layer's whole KV."""
+    pool, tokens = layer.pool, cache.config.prefill_block_tokens
+    # the step's own, freed with it (a prefill's workspace, not the decode's)
+    staged = [cache.on_both_streams(pool.new_block(tokens)) for _ in (0, 1)]
+    released: list[torch.cuda.Event | None] = [None, None]  # compute-stream events: done reading a buffer
+    cache.count_fetch(layer, end, step=False)
+    if cache.stream is not None:  # the buffers' memory may have served queued compute work
+        cache.stream.wait_stream(torch.cuda.current_stream(cache.device))
+
+    def copied(lo: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        hi, which = min(end, lo + tokens), (lo // tokens) % 2
+        if cache.stream is None:
+            return pool.read_rows(lo, hi, staged[which], layer.dtype), None
+        if released[which] is not None:
+            cache.stream.wait_event(released[which])
+        compute = torch.cuda.current_stream(cache.device)
+        with torch.cuda.stream(cache.stream):
+            part = pool.read_rows(lo, hi, staged[which], layer.dtype)
+            ready = cache.stream.record_event()
+        part.record_stream(compute)  # 8-bit rows: decoded into memory of the transfer stream's
+        return part, ready
+
+    pending = copied(0)
+    for lo in range(0, end, tokens):
+        part, ready = pending
+        if lo + tokens < end:
+            pending = copied(lo + tokens)
+        if ready is not None:
+            torch.cuda.current_stream(cache.device).wait_event(ready)
+        rows = part.transpose(2, 3)  # (B, kv_heads, 2, n, width)
+        if layer.policy.codec is not None:
+            decoded = torch.empty(*rows.shape[:-1], layer.head_dim, dtype=layer.dtype, device=cache.device)
+            layer.policy.codec.decode(rows, decoded)
+            rows = decoded
+        yield rows[:, :, 0], rows[:, :, 1]
+        if cache.stream is not None:
+            released[(lo // tokens) % 2] = torch.cuda.current_stream(cache.device).record_event()
 
 
 AttentionInterface.register(ATTENTION, infinigen_attention)

@@ -305,7 +305,7 @@ class InfinigenCache(Cache):
         batch, kv_heads, k = indices.shape
         parity = layer.index % 2
         rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, layer.head_dim), layer.dtype)
-        self._count(layer, count if count is not None else k, step=step)
+        self.count_fetch(layer, count if count is not None else k, step=step)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         packed = None
@@ -337,10 +337,10 @@ class InfinigenCache(Cache):
         selected = count if count is not None else k
         # attended: the selection, and with ``resident_extra`` the rows of earlier steps held with it
         attended = placement.held.double().mean(dim=1) if extra else selected
-        self._count(layer, placement.count.double().mean(dim=1), selected, attended, step, cached)
+        self.count_fetch(layer, placement.count.double().mean(dim=1), selected, attended, step, cached)
         return Fetched(resident.rows, placement.attend, slots, ready, selection_end)
 
-    def _count(
+    def count_fetch(
         self, layer: OffloadedLayer, moved, selected=None, attended=None, step: bool = True, cached=None
     ) -> None:
         """A fetch's statistics: rows per head moved (B,) or int, selected and attended where they differ

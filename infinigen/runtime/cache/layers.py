@@ -167,6 +167,7 @@ class OffloadedLayer(_Layer):
         # rows per head it selects and attends, where they differ from the moved ones (row reuse)
         self.captured_counts: tuple[torch.Tensor | int | None, torch.Tensor | int | None] = (None, None)
         self.resident: ResidentRows | None = None  # with row reuse: the rows kept on the GPU
+        self.past = 0  # a multi-token step: the earlier tokens its attention reads from the pool
         self.stats = LayerStats()
 
     # --- transformers' layer interface -------------------------------------------------------
@@ -209,11 +210,14 @@ class OffloadedLayer(_Layer):
     # --- prefill -----------------------------------------------------------------------------
 
     def _update_many(self, key_states, value_states):
-        """Prefill (or any multi-token step): store everything, attend densely over all of it."""
+        """Prefill (or any multi-token step): store everything; attention reads the earlier tokens from the
+        pool a block at a time (``past``: how many; ``cache.past_blocks``) and returns only the new ones.
+        A policy that observes attention weighs every key at once: its step fetches them all."""
         new = key_states.shape[2]
         if self.used < self.length:
             raise InfinigenError("multi-token steps after the CPU pool has evicted tokens are not supported")
-        past = self._fetch_all() if self.length else None
+        self.past = self.used if not self.policy.observes_attention else 0
+        past = self._fetch_all() if self.length and not self.past else None
         if past is not None:
             self.cache.wait(past)
         if self.max_tokens is not None and self.used + new > self.max_tokens:

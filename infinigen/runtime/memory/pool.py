@@ -135,14 +135,27 @@ class KVPool:
         and 8-bit rows dequantised as ``gather`` leaves them: a multi-token step's read of everything
         cached, as DMA copies a block at a time into one block on the device. No row kernel runs, so a
         process's first prefill does not wait for one to be built."""
-        staged = torch.empty(self.shape, dtype=self.dtype, device=out.device)  # (B, H, block_tokens, 2, width)
-        for index in range(-(-end // self.block_tokens)):
-            lo, hi = index * self.block_tokens, min(end, (index + 1) * self.block_tokens)
-            part = staged[:, :, : hi - lo]
-            _copy_runs(part, self.blocks[index][:, :, : hi - lo])
-            if self.kv_bits == 8:
-                part = int8_rows.decode(part, self.scales[:, :, lo:hi], out.dtype)
-            out[:, :, :, lo:hi] = part.transpose(2, 3)
+        staged = self.new_block(self.block_tokens)
+        for lo in range(0, end, self.block_tokens):
+            hi = min(end, lo + self.block_tokens)
+            out[:, :, :, lo:hi] = self.read_rows(lo, hi, staged, out.dtype).transpose(2, 3)
+
+    def new_block(self, tokens: int) -> torch.Tensor:
+        """An empty (B, H, tokens, 2, width) on the compute device, in the pool's stored dtype: ``read_rows``'s."""
+        return torch.empty(*self.shape[:2], tokens, *self.shape[3:], dtype=self.dtype, device=self.device)
+
+    def read_rows(self, lo: int, hi: int, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Slots lo .. hi-1 of every (batch, head) as DMA copies into ``staged`` (B, H, >= hi - lo, 2, width,
+        on the device, in the pool's stored dtype): (B, H, hi - lo, 2, width) rows, 8-bit ones dequantised
+        to ``dtype`` (a new tensor then)."""
+        part = staged[:, :, : hi - lo]
+        for index in range(lo // self.block_tokens, (hi - 1) // self.block_tokens + 1):
+            start = index * self.block_tokens
+            a, b = max(lo, start), min(hi, start + self.block_tokens)
+            _copy_runs(part[:, :, a - lo : b - lo], self.blocks[index][:, :, a - start : b - start])
+        if self.kv_bits == 8:
+            return int8_rows.decode(part, self.scales[:, :, lo:hi], dtype)
+        return part
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""

@@ -136,6 +136,12 @@ class Policy:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
 
+    @classmethod
+    def slot_bytes(cls, config: RuntimeConfig, head_dim: int, itemsize: int, channels: int) -> float:
+        """GPU bytes of the state ``stored`` keeps per cached slot of one (batch row, KV head) of an offloaded
+        layer (``channels``: the artifact's partial channels, padded): what the memory plan counts."""
+        return 0.0
+
     def select(
         self, layer: LayerView, attention_input: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> Selection:

@@ -25,6 +25,10 @@ class H2OPolicy(Policy):
         self.alive: torch.Tensor | None = None  # (B, kv_heads, n) bool: not evicted
         self.keep: torch.Tensor | None = None  # (B,) tokens kept per row, fixed at the first decode step
 
+    @classmethod
+    def slot_bytes(cls, config, head_dim: int, itemsize: int, channels: int) -> float:
+        return 4 + 1  # float32 score, alive
+
     def stored(self, layer: LayerView, slots, keys) -> None:
         shape = keys.shape[:3]  # (B, kv_heads, T)
         unseen = torch.zeros(shape, dtype=torch.float32, device=keys.device)

@@ -32,6 +32,11 @@ class InfinigenPolicy(Policy):
         self.partial_key_cache: torch.Tensor | None = None
         self.partial_key_scale: torch.Tensor | None = None
 
+    @classmethod
+    def slot_bytes(cls, config, head_dim: int, itemsize: int, channels: int) -> float:
+        bits = config.partial_key_bits
+        return channels * itemsize if bits == 16 else channels * bits / 8 + itemsize  # codes and a scale
+
     def stored(self, layer: LayerView, slots, keys) -> None:
         if self.partial_key_scale is not None and not isinstance(slots, slice) and on_triton(keys.device):
             # a decode step's token: one kernel projects, quantizes and writes it at its slots (B, kv_heads)

@@ -22,6 +22,10 @@ class OraclePolicy(Policy):
         super().__init__(config)
         self.keys: torch.Tensor | None = None  # (B, kv_heads, n, d): every cached key
 
+    @classmethod
+    def slot_bytes(cls, config, head_dim: int, itemsize: int, channels: int) -> float:
+        return head_dim * itemsize  # every key
+
     def stored(self, layer: LayerView, slots, keys) -> None:
         self.keys = store_slots(self.keys, slots, keys, layer.capacity)
 

@@ -28,6 +28,10 @@ class QuestPolicy(Policy):
         # (= -min): both bounds update with one max-reduction.
         self.page_bounds: torch.Tensor | None = None
 
+    @classmethod
+    def slot_bytes(cls, config, head_dim: int, itemsize: int, channels: int) -> float:
+        return 2 * head_dim * itemsize / PAGE  # a page's two bounds
+
     def stored(self, layer: LayerView, slots, keys) -> None:
         signed = torch.stack([keys, -keys], dim=3)  # (B, kv_heads, T, 2, d)
         if self.page_bounds is None:

@@ -1,0 +1,171 @@
+"""``infinigen plan``: what a run takes on the GPU and in host memory, before anything loads."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from infinigen.cli.app import command
+from infinigen.cli.options import JsonOpt, ModelArg, runtime_options
+from infinigen.cli.render import print_pairs, print_rows, printed_json
+from infinigen.errors import InfinigenError
+
+CAPACITY_POLICIES = ("dense", "full", "infinigen")  # the capacity table's rows
+SHAPE_POSITIONS = 1 << 21  # a random shape's positions: its capacity is the memory's, not a number's
+
+
+@command
+@runtime_options(sweep=False)
+def plan(
+    runtime: dict,
+    model: ModelArg = None,
+    shape: Annotated[
+        str | None, typer.Option(help="A random-weight shape instead of MODEL (see `infinigen bench --help`).")
+    ] = None,
+    batch: Annotated[int, typer.Option(help="Sequences decoded together.")] = 1,
+    context: Annotated[int, typer.Option(help="Prompt tokens per sequence.")] = 32768,
+    new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 128,
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens; 0: the prompt in one pass.")] = 4096,
+    dtype: Annotated[str, typer.Option(help="The weights' and KV's dtype.")] = "bfloat16",
+    as_json: JsonOpt = False,
+) -> None:
+    """The memory plan of a run: each part's bytes on the GPU and in host memory, the settings the GPU
+    budget (--gpu-memory-gb, default: this device's free memory) leaves, the largest batch and context
+    each policy fits, and the decode step's floor at this machine's host->device bandwidth.
+
+    Examples:\n
+      infinigen plan --shape llama-3-8b --gpu-memory-gb 24 --batch 1 --context 131072\n
+      infinigen plan smollm2-135m --gpu-memory-gb 2 --context 8192 --json
+    """
+    import torch
+
+    from infinigen.models import parse_dtype
+    from infinigen.runtime.config import RuntimeConfig
+    from infinigen.runtime.memory import plan as memory
+
+    if min(batch, context) < 1 or new_tokens < 0 or prefill_chunk < 0:
+        raise InfinigenError("--batch and --context must be at least 1, --new-tokens and --prefill-chunk at least 0")
+    config = RuntimeConfig(**runtime)
+    torch_dtype = parse_dtype(dtype, "cuda")
+    model_config = _config(model, shape, SHAPE_POSITIONS)
+    subject = memory.model_of(model_config, torch_dtype)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    budget = memory.budget_bytes(config.gpu_memory_gb, device)
+    work = memory.Workload(batch, context, new_tokens, prefill_chunk or None)
+    found = memory.plan(subject, torch_dtype, work, config, budget)
+    bandwidth = _bandwidth(device)
+    report = {
+        "model": model or shape or "smollm2-135m",
+        "dtype": dtype,
+        "budget_gb": memory.gb(budget) if budget is not None else None,
+        "budget_from": "--gpu-memory-gb" if config.gpu_memory_gb is not None else "free memory" if budget else None,
+        **_plan_report(found),
+        "step_floor_ms": _rounded(memory.step_floor_ms(found, subject, torch_dtype, bandwidth)),
+        "pinned_h2d_gb_s": _rounded(bandwidth),
+        "capacity": _capacity(subject, torch_dtype, work, config, budget),
+    }
+    if not found.fits:
+        report["refusal"] = memory.refusal(found, subject, torch_dtype)
+    if printed_json(report, as_json):
+        return
+    _print(report)
+
+
+def _config(model: str | None, shape: str | None, positions: int):
+    if model is not None and shape is not None:
+        raise InfinigenError("give MODEL or --shape, not both")
+    if shape is not None:
+        from infinigen.bench.shapes import shape_config
+
+        return shape_config(shape, positions=positions)
+    from infinigen.models import model_config
+
+    return model_config(model)
+
+
+def _plan_report(found) -> dict:
+    config, work = found.config, found.workload
+    return {
+        "policy": found.policy,
+        "batch": work.batch,
+        "context": work.context,
+        "new_tokens": work.new_tokens,
+        "fits": found.fits,
+        "peak_gpu_gb": _gb(found.peak_gpu),
+        "needed_gpu_gb": _gb(found.needed_gpu),
+        "host_gb": _gb(found.host),
+        "shed": list(found.shed),
+        "settings": {
+            "reuse_rows": "on" if found.reuse else "off",
+            "resident_extra": config.resident_extra_or_default if found.reuse else 0.0,
+            "dense_layers": config.dense_layers,
+            "prefill_chunk": work.prefill_chunk,
+            "kv_bits": config.kv_bits,
+        },
+        "parts": [{"part": p.name, "where": p.where, "when": p.phase, "gb": _gb(p.nbytes)} for p in found.parts],
+    }
+
+
+def _capacity(subject, dtype, work, config, budget) -> list[dict]:
+    """Per policy, the largest context at this batch and the largest batch at this context within the
+    budget (the plan's own shedding allowed), by bisection over the plan."""
+    from dataclasses import replace
+
+    from infinigen.runtime.memory import plan as memory
+
+    if budget is None:
+        return []
+    rows = []
+    limit = subject.spec.max_positions
+    for name in CAPACITY_POLICIES:
+        settings = replace(config, policy=name)
+
+        def fits(batch: int, context: int, settings=settings) -> bool:
+            workload = replace(work, batch=batch, context=context)
+            return memory.plan(subject, dtype, workload, settings, budget).fits
+
+        context = memory.largest(lambda n, fits=fits: fits(work.batch, n), 1, limit)
+        batch = memory.largest(lambda n, fits=fits: fits(n, work.context), 1, 4096)
+        rows.append({"policy": name, "largest_context": context or None, "largest_batch": batch or None})
+    return rows
+
+
+def _bandwidth(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    from infinigen.bench.runs import pinned_bandwidth
+
+    return pinned_bandwidth(str(device), nbytes=256 << 20)
+
+
+def _gb(nbytes: int) -> float:
+    return round(nbytes / 1e9, 3)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def _print(report: dict) -> None:
+    title = f"{report['model']} {report['dtype']}: {report['batch']} x {report['context']} tokens"
+    title += f" (+{report['new_tokens']} new), {report['policy']}"
+    print_rows(title, {"part": "part", "where": "where", "when": "when", "GB": "gb"}, report["parts"])
+    settings = report["settings"]
+    summary = {
+        "GPU budget": "none" if report["budget_gb"] is None else f"{report['budget_gb']} GB ({report['budget_from']})",
+        "GPU peak": f"{report['peak_gpu_gb']} GB (with the allocator's slack {report['needed_gpu_gb']} GB)",
+        "fits": "yes" if report["fits"] else "no",
+        "host": f"{report['host_gb']} GB",
+        "settings": ", ".join(f"{key} {value}" for key, value in settings.items()),
+        "given up": "; ".join(report["shed"]) or "nothing",
+        "decode step floor": "n/a (no GPU)"
+        if report["step_floor_ms"] is None
+        else f"{report['step_floor_ms']} ms at {report['pinned_h2d_gb_s']} GB/s",
+    }
+    print_pairs("memory plan", summary)
+    if report["capacity"]:
+        columns = {"policy": "policy", "largest context": "largest_context", "largest batch": "largest_batch"}
+        print_rows(f"within {report['budget_gb']} GB", columns, report["capacity"])
+    if "refusal" in report:
+        print_pairs("does not fit", {"why": report["refusal"]})

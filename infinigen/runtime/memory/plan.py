@@ -1,0 +1,370 @@
+"""The memory plan: what one run takes on the GPU and in host memory, part by part, from the model's
+config, the dtype, the workload (batch, prompt, new tokens, prefill chunk) and the runtime settings
+alone, before any weight loads. The same inputs give the same plan on any machine.
+
+Under a GPU budget the plan also makes the runtime's choices that cost GPU memory. Decoding and the
+prefill never hold their workspaces at once, so when the budget is short each gives up only what it
+needs, each step stated (``MemoryPlan.shed``):
+
+- decoding: rows of earlier steps (``resident_extra``: as asked, then 1, then 0), then row reuse itself,
+  where reuse is automatic;
+- the prefill: its chunk, 4,096 tokens for a one-shot prefill, then halved down to 512;
+- only where neither suffices, dense layers, down to the fewest the policy allows (1 where it
+  speculates, else 0), each time with the most of the above that then fits.
+
+Peaks: parts held through the run (``run``) add up; what the prefill needs (``prefill``: a chunk's
+workspace) and what decoding needs (``decode``: fetched or resident rows, a step's workspace) never
+coexist, so the peak is the held parts plus the larger of the two. The
+budget is what PyTorch may allocate: a GPU memory size given (``RuntimeConfig.gpu_memory_gb``) less the
+CUDA context, which PyTorch does not count (``CONTEXT_BYTES``), or the device's free memory; beside the
+peak it must hold the allocator's slack (``SLACK``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from infinigen.architectures import model_spec, sliding_windows
+from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.memory import reuse
+from infinigen.runtime.memory.pool import row_bytes
+from infinigen.runtime.memory.sizing import host_pool_size, offloaded_layer_indices
+from infinigen.runtime.selection.policies import policy_class
+from infinigen.runtime.selection.policies.base import rows_bound
+from infinigen.runtime.selection.speculation import padded_channels
+
+SLACK = 0.05  # of the planned peak: blocks the caching allocator holds but cannot hand out
+CONTEXT_BYTES = 600 * 2**20  # the CUDA context and its libraries, outside PyTorch's allocator
+CHUNK = 4096  # the prefill chunk the plan turns to when a one-shot prefill does not fit
+SMALLEST_CHUNK = 512
+Phase = str  # "run" | "prefill" | "decode"
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch: int
+    context: int  # prompt tokens per row
+    new_tokens: int = 0
+    prefill_chunk: int | None = None  # None: the whole prompt in one forward
+
+    @property
+    def tokens(self) -> int:
+        return self.context + self.new_tokens
+
+    @property
+    def chunk(self) -> int:
+        return min(self.prefill_chunk or self.context, self.context)
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the plan reads of a model: its config's geometry and its weights' size, no weights."""
+
+    config: object  # transformers' config
+    weight_bytes: int  # the parameters in the plan's dtype
+
+    @property
+    def spec(self):
+        return model_spec(self.config)
+
+    @property
+    def hidden(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def intermediate(self) -> int:
+        return getattr(self.config, "intermediate_size", None) or self.config.ffn_dim  # OPT: ffn_dim
+
+    @property
+    def vocab(self) -> int:
+        return self.config.vocab_size
+
+
+def model_of(config, dtype: torch.dtype) -> Model:
+    """``Model`` from a config: the parameters counted on the meta device (nothing allocated; tied
+    weights once)."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _COUNTS:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            _COUNTS[key] = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    return Model(config, _COUNTS[key] * dtype.itemsize)
+
+
+_COUNTS: dict[str, int] = {}  # parameters by config: a sweep plans one model many times
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    where: str  # "gpu" | "host"
+    nbytes: int
+    phase: Phase = "run"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    policy: str
+    workload: Workload
+    config: RuntimeConfig  # the settings that run: the choices below applied
+    parts: tuple[Part, ...]
+    budget: int | None  # GPU bytes, or None: no budget given
+    shed: tuple[str, ...] = ()  # what the budget made the plan give up, in order
+    reuse: bool = False  # row reuse on (budgeted policies)
+
+    def gpu(self, phase: Phase | None = None) -> int:
+        return sum(p.nbytes for p in self.parts if p.where == "gpu" and (phase is None or p.phase == phase))
+
+    @property
+    def peak_gpu(self) -> int:
+        """The most PyTorch allocates at once: the held parts and the larger workspace."""
+        return self.gpu("run") + max(self.gpu("prefill"), self.gpu("decode"))
+
+    @property
+    def needed_gpu(self) -> int:
+        """What PyTorch's allocator must be able to take for the run: the peak and its slack."""
+        return int(self.peak_gpu * (1 + SLACK))
+
+    @property
+    def host(self) -> int:
+        return sum(p.nbytes for p in self.parts if p.where == "host")
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.needed_gpu <= self.budget
+
+
+def dense_growth(work: Workload) -> tuple[int, int, int, int]:
+    """A dense layer's buffer slots (``kernels.buffers.grown``: to what is needed, and at least an eighth
+    more, at least 256, each time it is short), as the prefill's chunks and then each decode token reach
+    it: its slots after the prefill and at the end, and the largest it was when it grew during the
+    prefill and during decoding (old and new buffers side by side while it copies; 0: it did not grow)."""
+    capacity, grew = 0, {"prefill": 0, "decode": 0}
+    ends = [*range(work.chunk, work.context, work.chunk), work.context]
+    for phase, needed in [*(("prefill", end) for end in ends), ("decode", work.tokens)]:
+        if phase == "decode":
+            after_prefill = capacity
+        while capacity < needed:
+            grew[phase] = max(grew[phase], capacity)
+            capacity = max(needed if phase == "prefill" else capacity + 1, capacity + max(256, capacity // 8))
+    return after_prefill, capacity, grew["prefill"], grew["decode"]
+
+
+def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: RuntimeConfig, reuse_on: bool, **opts):
+    """The parts of a run with these settings (``plan``'s inner step; ``opts``: channels, layer_budgets,
+    ranks)."""
+    spec, e = model.spec, dtype.itemsize
+    policy = policy_class(config.policy)
+    ranks = opts.get("ranks", 1)
+    kv, d, heads, batch = spec.n_kv_heads // ranks, spec.head_dim, spec.n_heads // ranks, work.batch
+    windows = sliding_windows(model.config)
+    offloaded = offloaded_layer_indices(model.config, config.dense_layers, policy.offloads)
+    dense = [i for i, w in enumerate(windows) if w is None and i not in offloaded]
+    block = config.block_tokens
+    capacity = -(-work.tokens // block) * block  # an offloaded pool's slots (whole blocks)
+    kv_row = kv * d * 2 * e  # one token's K and V of every KV head of one batch row, on the GPU
+    parts = [Part("weights", "gpu", model.weight_bytes // ranks)]
+    prefilled, grown, grew_prefill, grew_decode = dense_growth(work)
+    parts.append(Part("dense layers' KV", "gpu", len(dense) * batch * kv_row * prefilled))
+    sliding = sum(min(w, work.tokens) for w in windows if w is not None)
+    parts.append(Part("sliding windows' KV", "gpu", batch * kv_row * sliding))
+    if offloaded:
+        channels = opts.get("channels") or padded_channels(math.ceil(d * 0.5))  # the default artifact's half
+        per_slot = 1 + (8 if config.kv_bits == 8 else 0) + (20 if config.cpu_pool_gb is not None else 0)
+        per_slot += policy.slot_bytes(config, d, e, channels)
+        parts.append(
+            Part("offloaded layers' slot state", "gpu", int(len(offloaded) * batch * kv * capacity * per_slot))
+        )
+        budgets = opts.get("layer_budgets") or [config.budget] * len(offloaded)
+        ks = [rows_bound(b, capacity, config.min_tokens) if policy.budgeted else capacity for b in budgets]
+        if reuse_on:
+            extra = config.resident_extra_or_default
+            resident = reuse.resident_bytes(batch, kv, d, e, capacity, budgets, config.min_tokens, extra)
+            parts.append(Part("decode: resident rows", "gpu", resident, "decode"))
+        else:  # two staging buffers (layers alternate), each the largest fetch
+            parts.append(Part("decode: fetch staging", "gpu", 2 * batch * kv_row * (max(ks) + 1), "decode"))
+        pool = host_pool_size(model.config, batch, work.tokens, dtype, ranks, **_settings(config))
+        parts.append(Part("CPU KV pool", "host", pool.nbytes))
+        stored = row_bytes(d, dtype, policy.codec, config.kv_bits) // 2  # one K or V, as the pool keeps it
+        staging = 2 * batch * kv * min(config.prefill_block_tokens, work.context) * 2 * stored
+        parts.append(Part("prefill: earlier chunks' blocks", "gpu", staging, "prefill"))
+        selection = 3 * 4 * batch * kv * capacity  # scores, their ranks and counts, float32 / int32
+        parts.append(Part("decode: selection workspace", "gpu", selection, "decode"))
+    parts += _prefill_parts(model, work, config, kv, heads, d, e)
+    if dense:  # grown in decoding; and while a buffer grows, its old one beside the new
+        parts.append(Part("prefill: a dense layer growing", "gpu", batch * kv_row * grew_prefill, "prefill"))
+        more = len(dense) * (grown - prefilled) + grew_decode
+        parts.append(Part("decode: dense layers' KV grown", "gpu", batch * kv_row * more, "decode"))
+    step = batch * (4 * model.hidden + 3 * model.intermediate + model.vocab) * e * 2
+    parts.append(Part("decode: a step's activations", "gpu", step, "decode"))
+    return parts
+
+
+def _prefill_parts(model: Model, work: Workload, config: RuntimeConfig, kv: int, heads: int, d: int, e: int):
+    """A prefill chunk's workspace, at the last chunk (the most keys): one layer's activations, the
+    attention mask transformers builds over every key (booleans) where the prompt is chunked, and the
+    attention over the earlier chunks one block at a time (a block's keys repeated for each query head)."""
+    batch, chunk, context = work.batch, work.chunk, work.context
+    # the residual and its normed copy, with the attention's projections or the MLP's three (whichever more)
+    per_token = 2 * model.hidden + max(2 * (heads + 2 * kv) * d + 2 * model.hidden, 3 * model.intermediate)
+    activations = batch * chunk * e * per_token
+    parts = [Part("prefill: a layer's activations", "gpu", activations, "prefill")]
+    if chunk < context:
+        parts.append(Part("prefill: attention mask", "gpu", batch * chunk * context, "prefill"))
+        keys = min(config.prefill_block_tokens, context)
+        # a block's keys and values for every query head, and the merged output and log-sum-exp (float32)
+        attention = batch * (heads * keys * d * e * 2 + heads * chunk * (d + 1) * 4 * 2)
+        parts.append(Part("prefill: blockwise attention", "gpu", attention, "prefill"))
+    parts.append(Part("prefill: logits", "gpu", batch * model.vocab * 4, "prefill"))
+    return parts
+
+
+def _settings(config: RuntimeConfig) -> dict:
+    return {f: getattr(config, f) for f in ("policy", "dense_layers", "kv_bits", "cpu_pool_gb", "block_tokens")}
+
+
+def plan(
+    model: Model,
+    dtype: torch.dtype,
+    work: Workload,
+    config: RuntimeConfig,
+    budget: int | None = None,
+    **opts,
+) -> MemoryPlan:
+    """The plan of a run; under ``budget`` (GPU bytes) the first settings, in the shedding order of the
+    module's docstring, whose run fits. Where none fits, the last tried: ``fits`` is False."""
+    policy = policy_class(config.policy)
+    auto_reuse = policy.budgeted and config.reuse_rows == "auto" and config.cpu_pool_gb is None
+    reuse_on = policy.budgeted and (config.reuse_rows == "on" or auto_reuse)
+    tried = None
+    for step, (settings, reused, workload) in enumerate(_candidates(config, policy, work, auto_reuse, reuse_on)):
+        parts = plan_parts(model, dtype, workload, settings, reused, **opts)
+        shed = tuple(_shed_steps(config, settings, reuse_on, reused, work, workload)) if step else ()
+        tried = MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused)
+        if tried.fits:
+            return tried
+    return tried
+
+
+def _candidates(config: RuntimeConfig, policy, work: Workload, auto_reuse: bool, reuse_on: bool):
+    """The settings to try, most asked first (the module's docstring): for each number of dense layers,
+    each decoding setting, each prefill chunk."""
+    decoding = [(config, reuse_on)]
+    if auto_reuse:
+        extras = reuse.fallback_extras(config.resident_extra_or_default)[1:]
+        decoding += [(replace(config, resident_extra=extra), True) for extra in extras]
+        decoding.append((replace(config, resident_extra=None), False))
+    chunks, chunk = [work.prefill_chunk], work.prefill_chunk
+    while (chunk := CHUNK if chunk is None or chunk > CHUNK else chunk // 2) >= SMALLEST_CHUNK:
+        if chunk < work.chunk:
+            chunks.append(chunk)
+    fewest = 1 if policy.speculates else 0
+    for dense in range(config.dense_layers, fewest - 1, -1):
+        for settings, reused in decoding:
+            for chunk in chunks:
+                yield replace(settings, dense_layers=dense), reused, replace(work, prefill_chunk=chunk)
+
+
+def _shed_steps(asked, settings, reused_asked: bool, reused: bool, work: Workload, workload: Workload):
+    """What ``settings`` / ``workload`` gave up against what was asked, in the shedding order."""
+    if reused and settings.resident_extra != asked.resident_extra:
+        yield f"rows of earlier steps: resident_extra {settings.resident_extra:g}"
+    if reused_asked and not reused:
+        yield "row reuse off"
+    if settings.dense_layers != asked.dense_layers:
+        yield f"dense layers: {settings.dense_layers}"
+    if workload.prefill_chunk != work.prefill_chunk:
+        yield f"prefill chunk: {workload.prefill_chunk} tokens"
+
+
+def cache_settings(found: MemoryPlan) -> dict:
+    """The ``RuntimeConfig`` fields a cache runs the plan with: its settings, row reuse as planned."""
+    settings = {f: getattr(found.config, f) for f in found.config.__dataclass_fields__}
+    if policy_class(found.policy).budgeted and found.config.reuse_rows == "auto" and found.budget is not None:
+        settings["reuse_rows"] = "on" if found.reuse else "off"
+        settings["resident_extra"] = found.config.resident_extra_or_default if found.reuse else None
+    return settings
+
+
+def summary(found: MemoryPlan) -> dict:
+    """What a run's summary says of its plan."""
+    return {
+        "gpu_budget_gb": None if found.budget is None else gb(found.budget),
+        "planned_peak_gpu_gb": gb(found.peak_gpu),
+        "planned_host_gb": gb(found.host),
+        "given_up": "; ".join(found.shed) or None,
+    }
+
+
+def budget_bytes(gpu_memory_gb: float | None, device: torch.device) -> int | None:
+    """The plan's budget: ``gpu_memory_gb`` less the CUDA context, else the device's free memory now and
+    what PyTorch holds already (the weights, where they are loaded: the plan counts them); None on the
+    CPU without a size given."""
+    if gpu_memory_gb is not None:
+        return int(gpu_memory_gb * 1e9) - CONTEXT_BYTES
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+
+
+def refusal(found: MemoryPlan, model: Model, dtype: torch.dtype, **opts) -> str:
+    """One line for a plan that does not fit: what it needs against the budget, and the nearest settings
+    that would fit (a shorter context, a smaller batch, 8-bit rows)."""
+    work, config = found.workload, found.config
+    need, budget = gb(found.needed_gpu), gb(found.budget)
+    line = f"{work.batch} x {work.context} tokens (+{work.new_tokens} new) with {config.policy} needs {need} GB"
+    line += f" of GPU memory, the budget is {budget} GB (the weights alone {gb(model.weight_bytes)} GB)"
+
+    def fits(**changes) -> bool:
+        workload = replace(work, **{k: v for k, v in changes.items() if k in ("batch", "context")})
+        settings = replace(config, **{k: v for k, v in changes.items() if k not in ("batch", "context")})
+        return plan(model, dtype, workload, settings, found.budget, **opts).fits
+
+    nearest = []
+    context = largest(lambda n: fits(context=n), 1, work.context) if work.context > 1 else 0
+    if context >= 1:
+        nearest.append(f"--context {context}")
+    batch = largest(lambda n: fits(batch=n), 1, work.batch) if work.batch > 1 else 0
+    if batch >= 1:
+        nearest.append(f"--batch {batch}")
+    policy = policy_class(config.policy)
+    if policy.plain_rows and policy.offloads and config.kv_bits == 16 and fits(kv_bits=8):
+        nearest.append("--kv-bits 8")
+    if found.budget is not None and model.weight_bytes > found.budget:
+        return line + ": the weights alone do not fit"
+    return line + (f"; nearest that fits: {', or '.join(nearest)}" if nearest else "; nothing smaller fits either")
+
+
+def largest(fits, low: int, high: int) -> int:
+    """The largest n in [low, high] with ``fits(n)`` (monotone: fits up to some n), or low - 1 if none."""
+    if not fits(low):
+        return low - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def gb(nbytes: float) -> float:
+    """GB (10^9 bytes) to four significant digits."""
+    return float(f"{nbytes / 1e9:.4g}")
+
+
+def step_floor_ms(plan_: MemoryPlan, model: Model, dtype: torch.dtype, bandwidth_gb_s: float | None) -> float | None:
+    """A decode step's lower bound from the host->device bytes it must move (``bandwidth_gb_s``, measured):
+    the budget's share of every offloaded row (all of them for ``full``), none for ``dense``."""
+    if bandwidth_gb_s is None:
+        return None
+    policy = policy_class(plan_.policy)
+    if not policy.offloads:
+        return 0.0
+    spec, work, config = model.spec, plan_.workload, plan_.config
+    offloaded = len(offloaded_layer_indices(model.config, config.dense_layers, True))
+    share = config.budget if policy.budgeted else 1.0
+    rows = offloaded * work.batch * spec.n_kv_heads * math.ceil(share * work.tokens)
+    nbytes = rows * row_bytes(spec.head_dim, dtype, policy.codec, config.kv_bits)
+    return nbytes / (bandwidth_gb_s * 1e9) * 1e3

@@ -1,0 +1,255 @@
+"""The memory plan (``runtime.memory.plan``) against bytes counted by hand, its shedding order, its
+refusal line, and ``infinigen plan``."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import invoke, tiny_model
+from transformers import AutoConfig
+
+from infinigen.bench.shapes import shape_config
+from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.memory import plan as memory
+
+BF16 = torch.bfloat16
+
+
+def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, positions: int = 4096):
+    return AutoConfig.for_model(
+        "llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+    )
+
+
+def parts(found: memory.MemoryPlan) -> dict[str, int]:
+    return {p.name: p.nbytes for p in found.parts}
+
+
+def test_the_8b_shape_weights_and_kv_counted_by_hand():
+    """Llama-3-8B: 8,030,261,248 parameters (embeddings and LM head apart), and each KV part from its
+    geometry: 8 KV heads of 128, 2 bytes a value."""
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    h, layers, mlp, vocab, kv = 4096, 32, 14336, 128256, 8 * 128
+    params = vocab * h * 2 + layers * (2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h) + h
+    assert params == 8_030_261_248 and model.weight_bytes == 2 * params
+    work = memory.Workload(batch=2, context=20000, new_tokens=100, prefill_chunk=4096)
+    config = RuntimeConfig(reuse_rows="off")
+    found = parts(memory.plan(model, BF16, work, config))
+    row = kv * 2 * 2  # a token's K and V of every KV head, bytes
+    # chunks of 4,096 fill the buffer to the prompt exactly; the first new token grows it by an eighth (a
+    # layer at a time, its old buffer beside the new while it copies)
+    assert found["dense layers' KV"] == 2 * 2 * row * 20000
+    assert found["decode: dense layers' KV grown"] == 2 * row * (2 * 2500 + 20000)
+    capacity = 20 * 1024  # 20,100 tokens in pool blocks of 1,024
+    # a slot's valid flag, 4-bit codes of 64 partial channels and a bf16 scale; 30 offloaded layers
+    assert found["offloaded layers' slot state"] == 30 * 2 * 8 * capacity * (1 + 32 + 2)
+    assert found["decode: fetch staging"] == 2 * 2 * row * (math.ceil(0.1 * capacity) + 1)
+    assert found["CPU KV pool"] == 30 * 2 * 8 * capacity * 512  # 512-byte rows
+    assert found["prefill: attention mask"] == 2 * 4096 * 20000  # booleans, the last chunk's over every key
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "gemma3"])
+def test_weights_are_the_models_parameters(arch):
+    """On the meta device, the plan counts what the model holds (biases, tied or untied heads, OPT's
+    learned positions, Gemma 3's norms): a materialized tiny model's parameters, once each."""
+    model = tiny_model(arch)
+    expected = sum(p.numel() for p in model.parameters()) * 2
+    assert memory.model_of(model.config, BF16).weight_bytes == expected
+
+
+def test_sliding_layers_hold_their_window():
+    """Gemma 3's local layers keep a ring of ``window`` slots whatever the context; its global layers
+    offload (beyond the dense ones)."""
+    config = tiny_model("gemma3").config
+    windows = [config.sliding_window if t == "sliding_attention" else None for t in config.layer_types]
+    model = memory.model_of(config, BF16)
+    work = memory.Workload(batch=3, context=5000)
+    found = parts(memory.plan(model, BF16, work, RuntimeConfig(policy="full")))
+    row = config.num_key_value_heads * config.head_dim * 2 * 2
+    assert found["sliding windows' KV"] == 3 * row * sum(w for w in windows if w is not None)
+
+
+def test_dense_policy_keeps_every_layer_on_the_gpu():
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    found = parts(memory.plan(model, BF16, memory.Workload(1, 8192), RuntimeConfig(policy="dense")))
+    assert found["dense layers' KV"] == 32 * 8192 * 8 * 128 * 2 * 2  # the prompt exactly: no token more
+    assert "CPU KV pool" not in found and "resident rows" not in found
+
+
+def test_shedding_follows_the_documented_order():
+    """As the budget shrinks, decoding gives up rows of earlier steps (2 -> 1 -> 0), then reuse; the
+    prefill halves its chunk; dense layers go (to 1: infinigen speculates from the layer before) only
+    where neither suffices. Each phase gives up only what it needs: the settings chosen move one way
+    through that order, and each plan's statement says what was given up."""
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    work = memory.Workload(batch=4, context=65536, new_tokens=64, prefill_chunk=4096)
+    config = RuntimeConfig()
+    decoding = {(True, 2.0): 0, (True, 1.0): 1, (True, 0.0): 2, (False, 0.0): 3}
+    states = []
+    for budget in range(memory.plan(model, BF16, work, config).needed_gpu, model.weight_bytes, -25_000_000):
+        found = memory.plan(model, BF16, work, config, budget)
+        if not found.fits:
+            break
+        assert found.needed_gpu <= budget
+        extra = found.config.resident_extra_or_default if found.reuse else 0.0
+        state = (2 - found.config.dense_layers, decoding[found.reuse, extra], 4096 // found.workload.prefill_chunk)
+        said = [f"rows of earlier steps: resident_extra {extra:g}"] if 0 < state[1] < 3 else []
+        said += ["row reuse off"] * (state[1] == 3) + ["dense layers: 1"] * state[0]
+        said += [f"prefill chunk: {found.workload.prefill_chunk} tokens"] * (state[2] > 1)
+        assert list(found.shed) == said
+        states.append(state)
+    assert states == sorted(states), "a smaller budget never gets back what a larger one gave up"
+    assert {s[1] for s in states} == {0, 1, 2, 3} and max(s[2] for s in states) >= 4 and states[-1][0] == 1
+
+
+def test_settings_asked_are_not_shed():
+    """Row reuse asked on (not auto) is kept; only what is left to the plan gives way."""
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    work = memory.Workload(batch=4, context=65536, prefill_chunk=4096)
+    asked = RuntimeConfig(reuse_rows="on", resident_extra=2.0)
+    needed = memory.plan(model, BF16, work, asked).needed_gpu
+    found = memory.plan(model, BF16, work, asked, needed - 10**9)
+    assert found.reuse and "row reuse off" not in found.shed
+
+
+def test_refusal_names_what_does_not_fit_and_the_nearest_settings():
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    work = memory.Workload(batch=8, context=131072, prefill_chunk=4096)
+    found = memory.plan(model, BF16, work, RuntimeConfig(), 24 * 10**9)
+    assert not found.fits
+    line = memory.refusal(found, model, BF16)
+    assert line.startswith("8 x 131072 tokens (+0 new) with infinigen needs")
+    assert "the budget is 24.0 GB (the weights alone 16.06 GB); nearest that fits: --context " in line
+    context = int(line.split("--context ")[1].split(",")[0])
+    assert memory.plan(model, BF16, replace(work, context=context), RuntimeConfig(), 24 * 10**9).fits
+    assert not memory.plan(model, BF16, replace(work, context=context + 1), RuntimeConfig(), 24 * 10**9).fits
+    weights_only = memory.plan(model, BF16, work, RuntimeConfig(), 10 * 10**9)
+    assert memory.refusal(weights_only, model, BF16).endswith("the weights alone do not fit")
+
+
+def test_plan_command_json_and_table(monkeypatch):
+    args = ["--shape", "llama-3-8b", "--gpu-memory-gb", "24", "--batch", "1", "--context", "131072", "--json"]
+    result = invoke("plan", *args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["fits"] and report["budget_gb"] == memory.gb(24e9 - memory.CONTEXT_BYTES)
+    assert report["settings"]["prefill_chunk"] == 4096 and report["shed"]
+    capacity = {row["policy"]: row for row in report["capacity"]}
+    assert capacity["infinigen"]["largest_context"] >= 8 * capacity["dense"]["largest_context"]
+    names = {p["part"] for p in report["parts"]}
+    assert {"weights", "decode: resident rows", "CPU KV pool", "prefill: attention mask"} <= names
+    table = invoke("plan", *args[:-1])
+    assert table.exit_code == 0 and "memory plan" in table.stdout and "largest context" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("--shape llama-3-8b --context 0", "--batch and --context must be at least 1"),
+        ("--shape llama-3-8b --gpu-memory-gb -1", "gpu_memory_gb must be positive, got -1.0"),
+        ("--shape nope", "unknown shape 'nope'"),
+        ("smollm2-135m --shape llama-3-8b", "give MODEL or --shape, not both"),
+    ],
+)
+def test_plan_command_refuses_bad_input(args, message):
+    result = invoke("plan", *args.split())
+    assert result.exit_code == 2 and message in " ".join(result.output.split())
+
+
+def test_a_real_models_config_alone(tmp_path):
+    """A checkpoint folder: its config is read, no weights (the folder has none)."""
+    config = llama_config(hidden=64, layers=2, heads=4, kv_heads=2, mlp=128, vocab=256)
+    config.save_pretrained(tmp_path)
+    result = invoke("plan", str(tmp_path), "--gpu-memory-gb", "2", "--context", "1000", "--json")
+    assert result.exit_code == 0, result.output
+    weights = next(p for p in json.loads(result.stdout)["parts"] if p["part"] == "weights")
+    assert weights["gb"] == round(sum(p.numel() for p in tiny_weights(config)) * 2 / 1e9, 3)
+
+
+def tiny_weights(config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config).parameters()
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.xfail(strict=True, reason="open: 104.2 MB held after 100 more caches against 102.1 (H200, 2026-11-29)")
+def test_a_hundred_caches_give_their_memory_back(tokenizer):
+    """A server's or an eval loop's hundredth cache runs where the first did: after ``close()`` the
+    device holds what it held before (the side streams' workspaces, made by the first, aside)."""
+    from helpers import tiny_setup
+
+    from infinigen.runtime import cache_argument, cache_for, decode
+
+    model, artifact = tiny_setup(tokenizer, "llama", "cuda")
+    ids = torch.randint(3, 512, (2, 200), generator=torch.Generator().manual_seed(0)).cuda()
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 1, "custom_generate": decode}
+
+    def one() -> None:
+        with cache_for(model, artifact, budget=0.2) as cache:
+            model.generate(ids, **{cache_argument(model): cache}, prefill_chunk_size=64, **kwargs)
+
+    one()
+    gc.collect()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    for _ in range(100):
+        one()
+    gc.collect()  # a cache's reference cycles go with it
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == held
+
+
+OPEN = "open: a small model's fixed parts undercounted (infinigen: planned 1.10 GB, measured 1.55; H200, 2026-11-29)"
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "dense",
+        pytest.param("full", marks=pytest.mark.xfail(strict=True, reason=OPEN)),
+        pytest.param("infinigen", marks=pytest.mark.xfail(strict=True, reason=OPEN)),
+    ],
+)
+def test_measured_peak_within_the_plan(policy):
+    """A 0.6 GB model at 2 x 16K, prefilled in chunks of 4,096 and decoded as ``bench`` does: the measured
+    peak is within 10% of the plan's (the 8B shape's are: BENCHMARKS.md, "A small GPU")."""
+    from transformers import AutoModelForCausalLM
+
+    from infinigen.bench.runs import BenchCase, Decoder, make_cache
+    from infinigen.bench.shapes import random_artifact
+
+    config = llama_config(hidden=1024, layers=8, heads=8, kv_heads=4, mlp=4096, vocab=32000, positions=32768)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=BF16).eval()
+    artifact = random_artifact(model, "test", 0.5) if policy == "infinigen" else None
+    case = BenchCase(
+        policy, 2, 16384, gen_len=8, runtime={"reuse_rows": "on"} if policy == "infinigen" else {}, prefill_chunk=4096
+    )
+    planned = memory.plan(memory.model_of(config, BF16), BF16, memory.Workload(2, 16384, 11, 4096), case.config)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        decoder = Decoder(model, make_cache(model, artifact, case), case)
+        decoder.prefill_seconds()
+        decoder.step_seconds()
+    measured = max(decoder.warmup_peak, torch.cuda.max_memory_allocated())
+    assert abs(planned.peak_gpu / measured - 1) <= 0.10, (planned.peak_gpu, measured)
