@@ -34,6 +34,18 @@ def test_perplexity_report(tokenizer):
     json.dumps(report)
 
 
+def test_perplexity_runs_as_the_memory_plan_says(tokenizer):
+    """Each row reports its plan; under a budget its weights alone exceed, the row says so and the sweep
+    goes on (no cache made)."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    ids = torch.randint(3, 512, (2, 80), generator=torch.Generator().manual_seed(1))
+    fits = perplexity(model, artifact, ids, 16, batch=2, policy="infinigen", gpu_memory_gb=1.0)
+    assert fits["perplexity"] > 1 and 0 < fits["memory_plan"]["planned_peak_gpu_gb"] < 0.01
+    short = perplexity(model, artifact, ids, 16, batch=2, policy="infinigen", gpu_memory_gb=0.5)
+    assert short["error"].startswith("does not fit: 2 x 16 tokens (+63 new) with infinigen needs")
+    assert short["error"].endswith("the weights alone do not fit") and "perplexity" not in short
+
+
 def test_gutenberg_header_is_stripped(tmp_path):
     book = tmp_path / "book.txt"
     book.write_text(

@@ -69,6 +69,46 @@ def test_weights_are_the_models_parameters(arch):
     assert memory.model_of(model.config, BF16).weight_bytes == expected
 
 
+def test_the_plan_counts_what_a_cache_holds(tokenizer):
+    """A tiny Llama decoded through the runtime (chunked prefill, then decode steps): its dense layers'
+    buffers, its offloaded layers' slot state (validity, 4-bit partial keys and their scales) and its
+    CPU pools hold exactly the bytes the plan gives them."""
+    from helpers import tiny_setup
+
+    from infinigen.runtime import cache_argument, cache_for
+    from infinigen.runtime.cache.layers import DenseLayer, OffloadedLayer
+    from infinigen.runtime.selection.speculation import padded_channels
+
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    work = memory.Workload(batch=2, context=300, new_tokens=40, prefill_chunk=64)
+    config = RuntimeConfig(block_tokens=128, reuse_rows="off")
+    ids = torch.randint(3, 512, (2, work.context), generator=torch.Generator().manual_seed(0))
+    with cache_for(model, artifact, **vars(config)) as cache:
+        model.generate(
+            ids,
+            **{cache_argument(model): cache},
+            max_new_tokens=work.new_tokens,
+            do_sample=False,
+            pad_token_id=1,
+            prefill_chunk_size=work.prefill_chunk,
+        )
+        dense = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if isinstance(layer, DenseLayer))
+        offloaded = [layer for layer in cache.layers if isinstance(layer, OffloadedLayer)]
+        state = sum(
+            layer.valid.nbytes + layer.policy.partial_key_cache.nbytes + layer.policy.partial_key_scale.nbytes
+            for layer in offloaded
+        )
+        pools = sum(layer.pool.nbytes for layer in offloaded)
+    channels = padded_channels(artifact.channels(offloaded[0].index).shape[-1])
+    found = memory.plan(memory.model_of(model.config, torch.float32), torch.float32, work, config, channels=channels)
+    planned = parts(found)
+    kv_row = 2 * model.config.num_key_value_heads * model.config.head_dim * 2 * 4
+    grew_decode = memory.dense_growth(work)[3]
+    assert dense == planned["dense layers' KV"] + planned["decode: dense layers' KV grown"] - kv_row * grew_decode
+    assert state == planned["offloaded layers' slot state"] and pools == planned["CPU KV pool"]
+    assert min(dense, state, pools) > 0
+
+
 def test_sliding_layers_hold_their_window():
     """Gemma 3's local layers keep a ring of ``window`` slots whatever the context; its global layers
     offload (beyond the dense ones)."""
@@ -114,6 +154,20 @@ def test_shedding_follows_the_documented_order():
     assert {s[1] for s in states} == {0, 1, 2, 3} and max(s[2] for s in states) >= 4 and states[-1][0] == 1
 
 
+def test_transformers_caches_estimated_by_hand():
+    """``DynamicCache``: every layer's KV on the GPU, one layer's twice while it grows; offloaded: the
+    running and the prefetched layer's; both repeat a chunk's keys for each query head in the prefill."""
+    from infinigen.bench.hf_memory import hf_plan
+
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    work = memory.Workload(batch=2, context=8192, new_tokens=8, prefill_chunk=4096)
+    layer = 2 * 8200 * 8 * 128 * 2 * 2
+    dynamic, offloaded = (parts(hf_plan(model, BF16, work, name)) for name in ("hf-dynamic", "hf-offloaded"))
+    assert dynamic["KV on the GPU"] == 32 * layer and offloaded["KV on the GPU"] == 2 * layer
+    assert dynamic["decode: a layer's KV growing"] == layer and offloaded["KV in host memory"] == 32 * layer
+    assert dynamic["prefill: keys and values per query head"] == 2 * 32 * 8192 * 128 * 2 * 2
+
+
 def test_settings_asked_are_not_shed():
     """Row reuse asked on (not auto) is kept; only what is left to the plan gives way."""
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
@@ -129,14 +183,14 @@ def test_refusal_names_what_does_not_fit_and_the_nearest_settings():
     work = memory.Workload(batch=8, context=131072, prefill_chunk=4096)
     found = memory.plan(model, BF16, work, RuntimeConfig(), 24 * 10**9)
     assert not found.fits
-    line = memory.refusal(found, model, BF16)
+    line = memory.refusal(found)
     assert line.startswith("8 x 131072 tokens (+0 new) with infinigen needs")
     assert "the budget is 24.0 GB (the weights alone 16.06 GB); nearest that fits: --context " in line
     context = int(line.split("--context ")[1].split(",")[0])
     assert memory.plan(model, BF16, replace(work, context=context), RuntimeConfig(), 24 * 10**9).fits
     assert not memory.plan(model, BF16, replace(work, context=context + 1), RuntimeConfig(), 24 * 10**9).fits
     weights_only = memory.plan(model, BF16, work, RuntimeConfig(), 10 * 10**9)
-    assert memory.refusal(weights_only, model, BF16).endswith("the weights alone do not fit")
+    assert memory.refusal(weights_only).endswith("the weights alone do not fit")
 
 
 def test_plan_command_json_and_table(monkeypatch):
@@ -148,6 +202,7 @@ def test_plan_command_json_and_table(monkeypatch):
     assert report["settings"]["prefill_chunk"] == 4096 and report["shed"]
     capacity = {row["policy"]: row for row in report["capacity"]}
     assert capacity["infinigen"]["largest_context"] >= 8 * capacity["dense"]["largest_context"]
+    assert capacity["infinigen"]["largest_tokens"] >= 8 * capacity["hf-dynamic"]["largest_tokens"]
     names = {p["part"] for p in report["parts"]}
     assert {"weights", "decode: resident rows", "CPU KV pool", "prefill: attention mask"} <= names
     table = invoke("plan", *args[:-1])

@@ -29,7 +29,7 @@ from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph
 from infinigen.runtime.config import config_from
 from infinigen.runtime.generation import prefill
 from infinigen.runtime.memory import plan as memory
-from infinigen.tensor_parallel import together, weight_bytes, world_size
+from infinigen.tensor_parallel import together
 
 GRAPHS = ("step", "selection", "off")  # BenchCase.graphs
 
@@ -346,13 +346,11 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
     their row."""
     if not case.ours:
         return case, None, {}
-    dtype = next(model.parameters()).dtype
-    subject = memory.Model(model.config, weight_bytes(model) * world_size())
     work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
-    found = memory.plan(subject, dtype, work, case.config, budget, ranks=world_size())
+    found = memory.plan_for(model, case.config, work, budget)
     said = {"planned_peak_gpu_gb": memory.gb(found.peak_gpu), "given_up": "; ".join(found.shed) or None}
     if not found.fits:
-        return case, case_settings(case) | {"error": "does not fit: " + memory.refusal(found, subject, dtype)}, said
+        return case, case_settings(case) | {"error": "does not fit: " + memory.refusal(found)}, said
     planned = replace(case, planned=memory.cache_settings(found), prefill_chunk=found.workload.prefill_chunk)
     return planned, None, said
 

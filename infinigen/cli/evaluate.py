@@ -116,6 +116,8 @@ def ppl(
     columns |= {"fraction attended": "fraction_attended"}
     columns |= {"fraction of bytes": "fraction_bytes"}
     columns |= {"recall": "recall", "tokens scored": "tokens_scored"}
+    rows = [row | {"planned_gb": (row.get("memory_plan") or {}).get("planned_peak_gpu_gb")} for row in rows]
+    columns |= {"planned peak GPU GB": "planned_gb", "error": "error"}  # the memory plan's; a row that did not fit
     print_rows(title, columns, rows)
 
 

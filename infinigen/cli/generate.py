@@ -74,7 +74,7 @@ def generate(
         budget = memory.budget_bytes(config.gpu_memory_gb, on)
         found = memory.plan(subject, torch_dtype, work, config, budget, ranks=world_size())
         if not found.fits:
-            raise InfinigenError("does not fit: " + memory.refusal(found, subject, torch_dtype))
+            raise InfinigenError("does not fit: " + memory.refusal(found))
         planned.append(found)
         size = host_pool_size(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(found.config))
         if size.blocks:

@@ -11,7 +11,7 @@ from infinigen.cli.options import JsonOpt, ModelArg, runtime_options
 from infinigen.cli.render import print_pairs, print_rows, printed_json
 from infinigen.errors import InfinigenError
 
-CAPACITY_POLICIES = ("dense", "full", "infinigen")  # the capacity table's rows
+CAPACITY_POLICIES = ("dense", "full", "infinigen", "hf-dynamic", "hf-offloaded")  # the capacity table's rows
 SHAPE_POSITIONS = 1 << 21  # a random shape's positions: its capacity is the memory's, not a number's
 
 
@@ -66,7 +66,7 @@ def plan(
         "capacity": _capacity(subject, torch_dtype, work, config, budget),
     }
     if not found.fits:
-        report["refusal"] = memory.refusal(found, subject, torch_dtype)
+        report["refusal"] = memory.refusal(found)
     if printed_json(report, as_json):
         return
     _print(report)
@@ -112,6 +112,7 @@ def _capacity(subject, dtype, work, config, budget) -> list[dict]:
     budget (the plan's own shedding allowed), by bisection over the plan."""
     from dataclasses import replace
 
+    from infinigen.bench.hf_memory import hf_plan
     from infinigen.runtime.memory import plan as memory
 
     if budget is None:
@@ -119,15 +120,18 @@ def _capacity(subject, dtype, work, config, budget) -> list[dict]:
     rows = []
     limit = subject.spec.max_positions
     for name in CAPACITY_POLICIES:
-        settings = replace(config, policy=name)
 
-        def fits(batch: int, context: int, settings=settings) -> bool:
+        def fits(batch: int, context: int, name=name) -> bool:
             workload = replace(work, batch=batch, context=context)
-            return memory.plan(subject, dtype, workload, settings, budget).fits
+            if name.startswith("hf-"):  # transformers' caches: an estimate of what they take
+                return hf_plan(subject, dtype, workload, name, budget).fits
+            return memory.plan(subject, dtype, workload, replace(config, policy=name), budget).fits
 
         context = memory.largest(lambda n, fits=fits: fits(work.batch, n), 1, limit)
         batch = memory.largest(lambda n, fits=fits: fits(n, work.context), 1, 4096)
+        tokens = max(context, batch * work.context if batch else 0)
         rows.append({"policy": name, "largest_context": context or None, "largest_batch": batch or None})
+        rows[-1]["largest_tokens"] = tokens or None
     return rows
 
 
@@ -166,6 +170,7 @@ def _print(report: dict) -> None:
     print_pairs("memory plan", summary)
     if report["capacity"]:
         columns = {"policy": "policy", "largest context": "largest_context", "largest batch": "largest_batch"}
+        columns["tokens (batch x context)"] = "largest_tokens"
         print_rows(f"within {report['budget_gb']} GB", columns, report["capacity"])
     if "refusal" in report:
         print_pairs("does not fit", {"why": report["refusal"]})

@@ -62,14 +62,15 @@ def stepwise_logits(
     prefix: int,
     attention_mask: torch.Tensor | None = None,
     step: StepGraph | None = None,
+    chunk: int = PREFILL_CHUNK,
 ) -> Iterator[torch.Tensor]:
-    """Prefill ids[:, :prefix] densely (in chunks of ``PREFILL_CHUNK``), then feed ids[:, prefix:]
+    """Prefill ids[:, :prefix] densely (in chunks of ``chunk`` tokens), then feed ids[:, prefix:]
     one token per decode step (a ``StepGraph``: CUDA graphs on CUDA); yields the next-token logits
     (B, V) after the prefill and after every step. ``attention_mask`` (B, T): 0 at left padding
     (positions then count real tokens only, as ``generate`` does)."""
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    yield prefill(model, cache, ids[:, :prefix], mask[:, :prefix], PREFILL_CHUNK)
+    yield prefill(model, cache, ids[:, :prefix], mask[:, :prefix], chunk)
     step = step or StepGraph(model, cache)
     for t in range(prefix, ids.shape[1]):
         yield step(ids[:, t : t + 1], positions[:, t : t + 1]).clone()  # the graph's buffer is reused
@@ -83,13 +84,15 @@ def teacher_forced_nll(
     prefix: int,
     attention_mask: torch.Tensor | None = None,
     on_step: Callable[[], None] = lambda: None,
+    chunk: int = PREFILL_CHUNK,
 ) -> torch.Tensor:
-    """Through the runtime: prefill ids[:, :prefix], then one true token per step (``on_step`` after
-    each). (B, T - prefix)."""
+    """Through the runtime: prefill ids[:, :prefix] (in chunks of ``chunk``), then one true token per step
+    (``on_step`` after each). (B, T - prefix)."""
     mask = None if attention_mask is None else attention_mask[:, :-1]
     nll = []  # each step's (B,) at once: the logits of a whole decode are (B, T - prefix, V), 32 GiB
     # for 16 rows of 2,048 steps over Gemma 3's 262K-token vocabulary
-    for t, step_logits in enumerate(stepwise_logits(model, cache, ids[:, :-1], prefix, mask), start=prefix):
+    steps = stepwise_logits(model, cache, ids[:, :-1], prefix, mask, chunk=chunk)
+    for t, step_logits in enumerate(steps, start=prefix):
         nll.append(_nll(step_logits[:, None], ids[:, t : t + 1])[:, 0])
         on_step()
     return torch.stack(nll, dim=1)

@@ -9,10 +9,11 @@ import torch
 from transformers import PreTrainedModel
 
 from infinigen.artifacts import Artifact
-from infinigen.eval.decoding import teacher_forced_nll
+from infinigen.eval.decoding import PREFILL_CHUNK, teacher_forced_nll
 from infinigen.eval.recall import RecallProbe
 from infinigen.runtime import cache_for
 from infinigen.runtime.config import config_from
+from infinigen.runtime.memory import plan as memory
 
 
 def pool_settings(model: PreTrainedModel, settings: dict, tokens: int, batch: int, block_tokens: int = 16) -> dict:
@@ -31,6 +32,13 @@ def pool_settings(model: PreTrainedModel, settings: dict, tokens: int, batch: in
     stored = row_bytes(spec.head_dim, model.dtype, policy.codec, config.kv_bits)
     nbytes = tokens * offloaded * batch * spec.n_kv_heads * stored
     return {"cpu_pool_gb": (nbytes + 0.5) / 1e9, "block_tokens": block_tokens}  # + half a byte: no rounding down
+
+
+def _planned(model: PreTrainedModel, settings: dict, batch: int, prefix: int, decoded: int) -> memory.MemoryPlan:
+    """The memory plan of one batch of windows: ``prefix`` tokens prefilled, ``decoded`` decode steps."""
+    config = config_from(settings)
+    budget = memory.budget_bytes(config.gpu_memory_gb, next(model.parameters()).device)
+    return memory.plan_for(model, config, memory.Workload(batch, prefix, decoded, PREFILL_CHUNK), budget)
 
 
 def perplexity(
@@ -58,12 +66,15 @@ def perplexity(
     applied = None  # resident_extra as it applied (the last cache's)
     probe = RecallProbe() if recall else None
     for start in range(0, ids.shape[0], batch):
-        chunk = ids[start : start + batch].to(model.device)
+        rows = ids[start : start + batch].to(model.device)
         if pool_fraction is not None:
-            settings |= pool_settings(model, settings, int(pool_fraction * ids.shape[1]), chunk.shape[0])
-        cache = cache_for(model, artifact, **settings)
+            settings |= pool_settings(model, settings, int(pool_fraction * ids.shape[1]), rows.shape[0])
+        found = _planned(model, settings, rows.shape[0], prefix, ids.shape[1] - 1 - prefix)
+        if not found.fits:  # the sweep goes on: this row says why it did not run
+            return {**settings, "memory_plan": memory.summary(found), "error": "does not fit: " + memory.refusal(found)}
+        cache = cache_for(model, artifact, **memory.cache_settings(found))
         cache.diagnostics.decode_probe = probe
-        nll.append(teacher_forced_nll(model, cache, chunk, prefix, on_step=on_step).cpu())
+        nll.append(teacher_forced_nll(model, cache, rows, prefix, on_step=on_step, chunk=found.workload.chunk).cpu())
         summary = cache.summary()
         for name, values in fractions.items():
             values.append(summary[name])
@@ -79,5 +90,6 @@ def perplexity(
         "perplexity": round(math.exp(float(nll.mean())), 4),
         **{name: round(sum(values) / len(values), 4) for name, values in fractions.items()},
         "tokens_scored": nll.numel(),
+        "memory_plan": memory.summary(found),
         "block_perplexity": [round(b, 3) for b in blocks],
     } | ({"recall": probe.mean(), "recall_per_layer": probe.per_layer()} if probe is not None else {})

@@ -115,6 +115,8 @@ class MemoryPlan:
     budget: int | None  # GPU bytes, or None: no budget given
     shed: tuple[str, ...] = ()  # what the budget made the plan give up, in order
     reuse: bool = False  # row reuse on (budgeted policies)
+    model: Model | None = None  # what it planned for, in which dtype (``refusal`` plans around it)
+    dtype: torch.dtype | None = None
 
     def gpu(self, phase: Phase | None = None) -> int:
         return sum(p.nbytes for p in self.parts if p.where == "gpu" and (phase is None or p.phase == phase))
@@ -244,7 +246,7 @@ def plan(
     for step, (settings, reused, workload) in enumerate(_candidates(config, policy, work, auto_reuse, reuse_on)):
         parts = plan_parts(model, dtype, workload, settings, reused, **opts)
         shed = tuple(_shed_steps(config, settings, reuse_on, reused, work, workload)) if step else ()
-        tried = MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused)
+        tried = MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
         if tried.fits:
             return tried
     return tried
@@ -281,6 +283,14 @@ def _shed_steps(asked, settings, reused_asked: bool, reused: bool, work: Workloa
         yield f"prefill chunk: {workload.prefill_chunk} tokens"
 
 
+def plan_for(model, config: RuntimeConfig, work: Workload, budget: int | None) -> MemoryPlan:
+    """The plan of a run of a loaded ``model``: its weights as loaded (every tensor-parallel rank's)."""
+    from infinigen.tensor_parallel import weight_bytes, world_size
+
+    param, ranks = next(model.parameters()), world_size()
+    return plan(Model(model.config, weight_bytes(model) * ranks), param.dtype, work, config, budget, ranks=ranks)
+
+
 def cache_settings(found: MemoryPlan) -> dict:
     """The ``RuntimeConfig`` fields a cache runs the plan with: its settings, row reuse as planned."""
     settings = {f: getattr(found.config, f) for f in found.config.__dataclass_fields__}
@@ -311,10 +321,10 @@ def budget_bytes(gpu_memory_gb: float | None, device: torch.device) -> int | Non
     return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
 
 
-def refusal(found: MemoryPlan, model: Model, dtype: torch.dtype, **opts) -> str:
+def refusal(found: MemoryPlan, **opts) -> str:
     """One line for a plan that does not fit: what it needs against the budget, and the nearest settings
     that would fit (a shorter context, a smaller batch, 8-bit rows)."""
-    work, config = found.workload, found.config
+    work, config, model, dtype = found.workload, found.config, found.model, found.dtype
     need, budget = gb(found.needed_gpu), gb(found.budget)
     line = f"{work.batch} x {work.context} tokens (+{work.new_tokens} new) with {config.policy} needs {need} GB"
     line += f" of GPU memory, the budget is {budget} GB (the weights alone {gb(model.weight_bytes)} GB)"

@@ -1,0 +1,41 @@
+"""What transformers' own caches take on the GPU, in the memory plan's terms (``runtime.memory.plan``), so
+that ``infinigen plan`` can say how large a batch and context each fits beside the runtime's policies.
+An estimate from their code, not a plan they follow: ``bench`` runs them as they are, and where they do
+not fit their error is their row.
+
+- ``hf-dynamic`` (``DynamicCache``): every layer's KV on the GPU, grown by concatenation (a layer's old
+  and new KV side by side while it grows);
+- ``hf-offloaded`` (``DynamicCache(offloading=True)``): the KV in host memory, on the GPU the running
+  layer's and the next one's (prefetched);
+- both prefill through transformers' SDPA attention: past the first chunk, over a mask of every key and,
+  for grouped-query models, the keys and values repeated for each query head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.memory.plan import MemoryPlan, Model, Part, Workload
+
+
+def hf_plan(model: Model, dtype: torch.dtype, work: Workload, name: str, budget: int | None = None) -> MemoryPlan:
+    spec, e, batch = model.spec, dtype.itemsize, work.batch
+    kv_row = spec.n_kv_heads * spec.head_dim * 2 * e  # a token's K and V of every KV head
+    layer = batch * kv_row * work.tokens
+    on_gpu = spec.n_layers if name == "hf-dynamic" else 2
+    parts = [Part("weights", "gpu", model.weight_bytes), Part("KV on the GPU", "gpu", on_gpu * layer)]
+    parts.append(Part("decode: a layer's KV growing", "gpu", layer, "decode"))
+    if name == "hf-offloaded":
+        parts.append(Part("KV in host memory", "host", spec.n_layers * layer))
+    chunk = work.chunk
+    per_token = 2 * model.hidden + max(
+        2 * (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim + 2 * model.hidden, 3 * model.intermediate
+    )
+    parts.append(Part("prefill: a layer's activations", "gpu", batch * chunk * e * per_token, "prefill"))
+    if chunk < work.context:
+        parts.append(Part("prefill: attention mask", "gpu", batch * chunk * work.context, "prefill"))
+        repeated = batch * spec.n_heads * work.context * spec.head_dim * 2 * e
+        parts.append(Part("prefill: keys and values per query head", "gpu", repeated, "prefill"))
+    parts.append(Part("prefill: logits", "gpu", batch * model.vocab * 4, "prefill"))
+    return MemoryPlan(name, work, RuntimeConfig(policy="dense"), tuple(parts), budget)
