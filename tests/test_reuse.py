@@ -1,7 +1,7 @@
 """Row reuse's placement: kept rows stay in place, only new rows move, and the resident positions
 then hold exactly the selection. The Triton kernel (run by Triton's CPU interpreter here) must give
 the PyTorch path's placement exactly. And auto's decision: on where the resident rows fit the room
-(a cap, or half the free GPU memory), without the rows of earlier steps where only the selection's
+(what the memory plan leaves them, under a cap), without the rows of earlier steps where only the selection's
 fit, on the CPU only for those rows, off with a limited pool, dropped cleanly when the pools outgrow
 the room."""
 
@@ -266,16 +266,37 @@ def test_placement_kernel_on_cuda():
 
 
 def test_the_decision_given_a_memory_cap():
-    room = reuse.room_from(free=10 * 10**9, cap_gb=1.0)  # the cap is below half the free memory
+    room = reuse.room_from(planned=10 * 10**9, cap_gb=1.0)  # the cap is below what the plan leaves
     assert room == (10**9, "the cap of 1 GB")
     fits, too_big = reuse.decide(400 * 10**6, room), reuse.decide(1_200 * 10**6, room)
     assert fits.on and str(fits) == "on (auto: 0.40 GB fits in the cap of 1 GB)"
     assert not too_big.on and str(too_big) == "off (auto: 1.20 GB exceeds the cap of 1 GB)"
-    assert not reuse.decide(1, reuse.room_from(free=10 * 10**9, cap_gb=0.0)).on  # a cap of 0: never
-    # a cap above half the free memory: half the free memory decides
-    assert reuse.room_from(free=4 * 10**9, cap_gb=10.0) == (2 * 10**9, "half of 4.00 GB free, under the cap of 10 GB")
-    assert reuse.room_from(free=4 * 10**9, cap_gb=None) == (2 * 10**9, "half of 4.00 GB free")
+    assert not reuse.decide(1, reuse.room_from(planned=10 * 10**9, cap_gb=0.0)).on  # a cap of 0: never
+    # a cap above what the plan leaves: the plan decides
+    room = reuse.room_from(planned=2 * 10**9, cap_gb=10.0)
+    assert room == (2 * 10**9, "the 2.00 GB the memory plan leaves, under the cap of 10 GB")
+    assert reuse.room_from(planned=2 * 10**9, cap_gb=None) == (2 * 10**9, "the 2.00 GB the memory plan leaves")
     assert str(reuse.decide(0, None)) == "off (auto: CPU, no transfers to save)"
+
+
+def test_auto_reuse_takes_what_the_plan_leaves(tokenizer, monkeypatch):
+    """Auto reuse's room is the GPU budget less everything else the memory plan holds while decoding: the
+    same budget gives the same decision on any machine, and a budget that leaves no room turns it off."""
+    from infinigen.runtime.memory import plan
+
+    model, _ = tiny_setup(tokenizer, "llama", "cpu")
+    subject = plan.model_of(model.config, torch.float32)
+    config = RuntimeConfig()
+    others = plan.resident_room(subject, torch.float32, 2, 64, config, 10**9)
+    assert plan.resident_room(subject, torch.float32, 2, 64, config, 2 * 10**9) - others == int(10**9 / 1.05)
+    roomy, cramped = (plan.resident_room(subject, torch.float32, 2, 64, config, b) for b in (10**9, 10**5))
+    assert roomy > 0 and cramped == 0
+    pretend_a_gpu(monkeypatch, free=subject.weight_bytes + 10**5)  # the weights and 0.1 MB
+    _, cache = decode(tokenizer, budget=0.3)
+    assert (
+        cache.summary()["reuse_rows"].startswith("off (auto: ")
+        and "the 0.00 GB the memory plan leaves" in (cache.summary()["reuse_rows"])
+    )
 
 
 def test_reuse_rows_takes_auto_on_off_and_the_old_switches():
@@ -290,8 +311,10 @@ def test_reuse_rows_takes_auto_on_off_and_the_old_switches():
 
 
 def pretend_a_gpu(monkeypatch, free: int = 10**12) -> None:
-    """Auto decides as on a GPU with ``free`` bytes free (the CPU path moves the same rows)."""
-    monkeypatch.setattr(reuse, "reuse_room", lambda device, cap_gb: reuse.room_from(free, cap_gb))
+    """Auto decides as on a GPU with a budget of ``free`` bytes (the CPU path moves the same rows)."""
+    from infinigen.runtime.memory import plan
+
+    monkeypatch.setattr(plan, "budget_bytes", lambda gpu_memory_gb, device: free)
 
 
 def decode(tokenizer, **settings):

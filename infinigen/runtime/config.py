@@ -127,20 +127,20 @@ class RuntimeConfig:
         applies_to=("offloads", "plain_rows"),
     )
     # auto: on where it pays and fits (memory.reuse.decide): on a GPU, for budgeted policies with an
-    # unlimited pool, while the resident rows fit in reuse_gpu_gb or half the free GPU memory; on the
-    # CPU only for resident_extra, so that CPU and GPU attend the same rows
+    # unlimited pool, while the resident rows fit in what the memory plan leaves them (and reuse_gpu_gb);
+    # on the CPU only for resident_extra, so that CPU and GPU attend the same rows
     reuse_rows: ReuseRows = option(
         "auto",
         "Keep each layer's fetched rows on the GPU between steps and move only new ones: fewer bytes, for "
         "the budget's share of the KV in GPU memory (budgeted policies, unlimited pool). auto: on where those "
-        "rows fit (--reuse-gpu-gb, else half the GPU's free memory), on the CPU only for --resident-extra, "
+        "rows fit in what the memory plan leaves them (and --reuse-gpu-gb), on the CPU only for --resident-extra, "
         "off with a CPU pool limit | on | off.",
         applies_to=("budgeted",),
     )
     reuse_gpu_gb: float | None = option(
         None,
-        "Most GPU memory in GB (10^9 bytes) that auto row reuse may take (also at most half the free "
-        "memory). Default: half the GPU's free memory at prefill.",
+        "Most GPU memory in GB (10^9 bytes) that auto row reuse may take (also at most what the memory plan "
+        "leaves it). Default: what the memory plan leaves it.",
         applies_to=("budgeted",),
     )
     # Consecutive steps select mostly the same rows, and those a step drops still carry attention: kept
@@ -205,7 +205,7 @@ class RuntimeConfig:
         if self.cpu_pool_gb is not None and not (0 < self.cpu_pool_gb < math.inf):
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
         if self.reuse_gpu_gb is not None and not (0 <= self.reuse_gpu_gb < math.inf):
-            raise InfinigenError(f"reuse_gpu_gb must be >= 0 (None: half the free GPU memory), got {self.reuse_gpu_gb}")
+            raise InfinigenError(f"reuse_gpu_gb must be >= 0 (None: no cap), got {self.reuse_gpu_gb}")
         if self.gpu_memory_gb is not None and not (0 < self.gpu_memory_gb < math.inf):
             raise InfinigenError(f"gpu_memory_gb must be positive, got {self.gpu_memory_gb}")
         if self.resident_extra is not None and not 0 <= self.resident_extra <= 8:

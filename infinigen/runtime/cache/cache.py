@@ -25,18 +25,17 @@ from infinigen.runtime.cache.diagnostics import Diagnostics
 from infinigen.runtime.cache.hooks import attach
 from infinigen.runtime.cache.layers import DenseLayer, Fetched, OffloadedLayer
 from infinigen.runtime.cache.sliding import SlidingLayer
-from infinigen.runtime.cache.stats import summarize
+from infinigen.runtime.cache.stats import bits_moved, summarize
 from infinigen.runtime.cache.streams import side_stream
 from infinigen.runtime.config import RuntimeConfig
-from infinigen.runtime.kernels import int8_rows
-from infinigen.runtime.memory import reuse
+from infinigen.runtime.memory import plan, reuse
 from infinigen.runtime.memory.host_memory import HostBlocks
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import offloaded_layer_indices, pool_limit
 from infinigen.runtime.selection.allocation import offloaded_budgets
 from infinigen.runtime.selection.policies import Selection, make_policy, supported_policy
 from infinigen.runtime.selection.speculation import LayerSpeculator
-from infinigen.tensor_parallel import head_shard
+from infinigen.tensor_parallel import head_shard, weight_bytes
 
 
 class InfinigenCache(Cache):
@@ -83,7 +82,9 @@ class InfinigenCache(Cache):
         # the first prefill (``measure_reuse_room``) and each time the pools grow (``reuses``)
         self.reuse: reuse.Decision | None = None
         self.reuse_auto = False  # an auto decision still to make, or to check again as the pools grow
-        self.reuse_room: tuple[int, str] | None = None  # what auto reuse may take (bytes, how chosen)
+        self.gpu_budget: int | None = None  # the budget auto reuse plans within, from the first prefill
+        # what the plan reads of the model: its config and its weights (every tensor-parallel rank's)
+        self.planned = plan.Model(model.config, weight_bytes(model) * self.shard.ranks)
         self.reuse_capacity = 0  # the pool capacity of the latest auto decision
         self.resident_extra = 0.0  # ``RuntimeConfig.resident_extra`` as it applies: 0 without row reuse
         if self.policy_type.budgeted:
@@ -178,12 +179,13 @@ class InfinigenCache(Cache):
     # --- row reuse ---------------------------------------------------------------------------
 
     def measure_reuse_room(self) -> None:
-        """At the first prefill (never inside a captured step): the GPU memory auto reuse may take.
-        On the CPU no bytes are saved, so auto reuses rows only to attend rows of earlier steps (the
-        GPU's selection, the same rows attended)."""
-        if self.reuse_auto and self.reuse_room is None:
-            self.reuse_room = reuse.reuse_room(self.device, self.config.reuse_gpu_gb)
-            if self.reuse_room is None:
+        """At the first prefill (never inside a captured step): the GPU budget auto reuse plans within
+        (``RuntimeConfig.gpu_memory_gb``, else the device's free memory then). On the CPU no bytes are
+        saved, so auto reuses rows only to attend rows of earlier steps (the GPU's selection, the same
+        rows attended)."""
+        if self.reuse_auto and self.gpu_budget is None:
+            self.gpu_budget = plan.budget_bytes(self.config.gpu_memory_gb, self.device)
+            if self.gpu_budget is None:
                 self.resident_extra = self.config.resident_extra_or_default
                 self.reuse = reuse.decide(0, None, self.resident_extra)
                 self.reuse_auto = False
@@ -198,8 +200,12 @@ class InfinigenCache(Cache):
             batch, kv_heads = layer.valid.shape[:2]
             sizes = (layer.head_dim, layer.dtype.itemsize, layer.capacity, self.layer_budgets, self.config.min_tokens)
             asked = self.config.resident_extra_or_default
+            planned = plan.resident_room(
+                self.planned, layer.dtype, batch, layer.capacity, self.config, self.gpu_budget, ranks=self.shard.ranks
+            )
+            room = reuse.room_from(planned, self.config.reuse_gpu_gb)
             for extra in reuse.fallback_extras(asked):  # as many rows of earlier steps as fit, else none
-                decision = reuse.decide(reuse.resident_bytes(batch, kv_heads, *sizes, extra), self.reuse_room)
+                decision = reuse.decide(reuse.resident_bytes(batch, kv_heads, *sizes, extra), room)
                 if decision.on:
                     break
             if decision.on and extra < asked:
@@ -478,13 +484,8 @@ class InfinigenCache(Cache):
         row_bytes = offloaded[0].pool.row_bytes if offloaded else 0
         pool_bytes = sum(layer.pool.nbytes for layer in offloaded)
         summary = summarize(offloaded, row_bytes, wait_ms, pool_bytes)
-        codec, kv_bits = self.policy_type.codec, self.config.kv_bits
-        if codec is not None:
-            bits = codec.bits_per_value
-        elif kv_bits == 8:
-            bits = int8_rows.BITS_MOVED  # the scales stay on the device
-        else:
-            bits = 16  # 16-bit KV as the reference
+        kv_bits = self.config.kv_bits
+        bits = bits_moved(self.policy_type.codec, kv_bits)
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
         summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
         allocation = self.allocation if self.policy_type.budgeted else None

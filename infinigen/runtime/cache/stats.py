@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinigen.runtime.kernels import int8_rows
+
 CHUNK = 256  # fetches whose values wait on the host before they are reduced
 Value = torch.Tensor | int  # per batch row (B,) on the compute device, or one int for every row
 
@@ -130,6 +132,13 @@ def _per_step(values: tuple[Value, ...], batch: int, device: torch.device) -> to
         for tensor in tensors:
             tensor.record_stream(torch.cuda.current_stream(device))
     return stacked
+
+
+def bits_moved(codec, kv_bits: int) -> float:
+    """Bits a fetch moves per K or V value: a codec's, 8-bit rows' (their scales stay on the device), else 16."""
+    if codec is not None:
+        return codec.bits_per_value
+    return int8_rows.BITS_MOVED if kv_bits == 8 else 16
 
 
 def summarize(layers, row_bytes: int, wait_ms: float, pool_bytes: int) -> dict:

@@ -283,6 +283,17 @@ def _shed_steps(asked, settings, reused_asked: bool, reused: bool, work: Workloa
         yield f"prefill chunk: {workload.prefill_chunk} tokens"
 
 
+def resident_room(
+    model: Model, dtype: torch.dtype, batch: int, capacity: int, config: RuntimeConfig, budget: int, **opts
+) -> int:
+    """The GPU bytes a cache's resident rows may take while it decodes with pools of ``capacity`` slots: the
+    budget less its slack and every other part held while decoding (auto reuse's room)."""
+    work = Workload(batch, capacity)
+    parts = plan_parts(model, dtype, work, config, reuse_on=False, **opts)
+    held = [p for p in parts if p.where == "gpu" and p.phase != "prefill" and p.name != "decode: fetch staging"]
+    return max(0, int(budget / (1 + SLACK)) - sum(p.nbytes for p in held))
+
+
 def plan_for(model, config: RuntimeConfig, work: Workload, budget: int | None) -> MemoryPlan:
     """The plan of a run of a loaded ``model``: its weights as loaded (every tensor-parallel rank's)."""
     from infinigen.tensor_parallel import weight_bytes, world_size

@@ -11,8 +11,8 @@ selected least recently (ages saturate at ``AGE_CAP`` steps; ties go in position
 kernels and PyTorch agree exactly).
 
 Whether a cache reuses rows (``decide``, for ``reuse_rows="auto"``) is host arithmetic: what the
-resident buffers need at a pool capacity (``resident_bytes``) against the room measured once, at the
-first prefill (``reuse_room``).
+resident buffers need at a pool capacity (``resident_bytes``) against the room the memory plan leaves
+them at that capacity (``plan.resident_room``, ``room_from``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from infinigen.runtime.kernels.buffers import grown_to
 from infinigen.runtime.kernels.triton_support import on_triton
 from infinigen.runtime.selection.policies.base import rows_bound
 
-FREE_SHARE = 0.5  # of the GPU's free memory at prefill, what auto reuse may take without a cap
 PAGE_SLACK = 16  # quest selects whole 16-token pages: up to 15 slots past the budget's share
 AGE_CAP = 255  # steps since a row was last selected, saturating: the kernel counts keys in 512 bins
 
@@ -77,22 +76,12 @@ def resident_bytes(
     return sum(per_layer) + max(per_layer, default=0)
 
 
-def reuse_room(device: torch.device, cap_gb: float | None) -> tuple[int, str] | None:
-    """The bytes auto reuse may take on ``device`` and how they were chosen: ``cap_gb`` where given,
-    at most ``FREE_SHARE`` of the free memory (the device's and the allocator's idle cache). None on
-    the CPU: there the rows move within host memory, with no bus to spare, and keeping them costs a
-    placement per step and layer, so auto reuses rows only for ``resident_extra`` (``decide``)."""
-    if device.type != "cuda":
-        return None
-    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return room_from(free, cap_gb)
-
-
-def room_from(free: int, cap_gb: float | None) -> tuple[int, str]:
-    share = int(free * FREE_SHARE)
-    described = f"half of {free / 1e9:.2f} GB free"
-    if cap_gb is None or cap_gb * 1e9 > share:
-        return share, described + ("" if cap_gb is None else f", under the cap of {cap_gb:g} GB")
+def room_from(planned: int, cap_gb: float | None) -> tuple[int, str]:
+    """What auto reuse may take, and how it was chosen: the bytes the memory plan leaves for resident rows
+    (``plan.resident_room``), at most ``cap_gb``."""
+    described = f"the {planned / 1e9:.2f} GB the memory plan leaves"
+    if cap_gb is None or cap_gb * 1e9 > planned:
+        return planned, described + ("" if cap_gb is None else f", under the cap of {cap_gb:g} GB")
     return int(cap_gb * 1e9), f"the cap of {cap_gb:g} GB"
 
 
