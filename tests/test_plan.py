@@ -69,30 +69,30 @@ def test_weights_are_the_models_parameters(arch):
     assert memory.model_of(model.config, BF16).weight_bytes == expected
 
 
-def test_the_plan_counts_what_a_cache_holds(tokenizer):
-    """A tiny Llama decoded through the runtime (chunked prefill, then decode steps): its dense layers'
-    buffers, its offloaded layers' slot state (validity, 4-bit partial keys and their scales) and its
-    CPU pools hold exactly the bytes the plan gives them."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "gemma3"])
+def test_the_plan_counts_what_a_cache_holds(tokenizer, arch):
+    """A tiny model decoded through the runtime (chunked prefill, then decode steps): its dense layers'
+    buffers, its sliding-window rings (Gemma 3), its offloaded layers' slot state (validity, 4-bit partial
+    keys and their scales) and its CPU pools hold exactly the bytes the plan gives them."""
     from helpers import tiny_setup
 
+    from infinigen.architectures import model_spec
     from infinigen.runtime import cache_argument, cache_for
     from infinigen.runtime.cache.layers import DenseLayer, OffloadedLayer
+    from infinigen.runtime.cache.sliding import SlidingLayer
     from infinigen.runtime.selection.speculation import padded_channels
 
-    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    model, artifact = tiny_setup(tokenizer, arch, "cpu")
     work = memory.Workload(batch=2, context=300, new_tokens=40, prefill_chunk=64)
     config = RuntimeConfig(block_tokens=128, reuse_rows="off")
     ids = torch.randint(3, 512, (2, work.context), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=work.new_tokens, do_sample=False, pad_token_id=1)
     with cache_for(model, artifact, **vars(config)) as cache:
-        model.generate(
-            ids,
-            **{cache_argument(model): cache},
-            max_new_tokens=work.new_tokens,
-            do_sample=False,
-            pad_token_id=1,
-            prefill_chunk_size=work.prefill_chunk,
-        )
-        dense = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if isinstance(layer, DenseLayer))
+        model.generate(ids, **{cache_argument(model): cache}, prefill_chunk_size=work.prefill_chunk, **kwargs)
+
+        def held(kind) -> int:
+            return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if type(layer) is kind)
+
         offloaded = [layer for layer in cache.layers if isinstance(layer, OffloadedLayer)]
         state = sum(
             layer.valid.nbytes + layer.policy.partial_key_cache.nbytes + layer.policy.partial_key_scale.nbytes
@@ -102,11 +102,13 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer):
     channels = padded_channels(artifact.channels(offloaded[0].index).shape[-1])
     found = memory.plan(memory.model_of(model.config, torch.float32), torch.float32, work, config, channels=channels)
     planned = parts(found)
-    kv_row = 2 * model.config.num_key_value_heads * model.config.head_dim * 2 * 4
+    spec = model_spec(model.config)
+    kv_row = 2 * spec.n_kv_heads * spec.head_dim * 2 * 4  # 2 rows of float32 K and V
     grew_decode = memory.dense_growth(work)[3]
-    assert dense == planned["dense layers' KV"] + planned["decode: dense layers' KV grown"] - kv_row * grew_decode
+    dense = planned["dense layers' KV"] + planned["decode: dense layers' KV grown"] - kv_row * grew_decode
+    assert held(DenseLayer) == dense and held(SlidingLayer) == planned["sliding windows' KV"]
     assert state == planned["offloaded layers' slot state"] and pools == planned["CPU KV pool"]
-    assert min(dense, state, pools) > 0
+    assert min(dense, state, pools) > 0 and (held(SlidingLayer) > 0) == (arch == "gemma3")
 
 
 def test_sliding_layers_hold_their_window():
