@@ -48,10 +48,7 @@ def test_the_8b_shape_weights_and_kv_counted_by_hand():
     config = RuntimeConfig(reuse_rows="off")
     found = parts(memory.plan(model, BF16, work, config))
     row = kv * 2 * 2  # a token's K and V of every KV head, bytes
-    # chunks of 4,096 fill the buffer to the prompt exactly; the first new token grows it by an eighth (a
-    # layer at a time, its old buffer beside the new while it copies)
-    assert found["dense layers' KV"] == 2 * 2 * row * 20000
-    assert found["decode: dense layers' KV grown"] == 2 * row * (2 * 2500 + 20000)
+    assert found["dense layers' KV"] == 2 * 2 * row * 20100  # the run's length, from the start
     capacity = 20 * 1024  # 20,100 tokens in pool blocks of 1,024
     # a slot's valid flag, 4-bit codes of 64 partial channels and a bf16 scale; 30 offloaded layers
     assert found["offloaded layers' slot state"] == 30 * 2 * 8 * capacity * (1 + 32 + 2)
@@ -77,7 +74,7 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch):
     from helpers import tiny_setup
 
     from infinigen.architectures import model_spec
-    from infinigen.runtime import cache_argument, cache_for
+    from infinigen.runtime import cache_argument, cache_for, decode
     from infinigen.runtime.cache.layers import DenseLayer, OffloadedLayer
     from infinigen.runtime.cache.sliding import SlidingLayer
     from infinigen.runtime.selection.speculation import padded_channels
@@ -86,7 +83,7 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch):
     work = memory.Workload(batch=2, context=300, new_tokens=40, prefill_chunk=64)
     config = RuntimeConfig(block_tokens=128, reuse_rows="off")
     ids = torch.randint(3, 512, (2, work.context), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(max_new_tokens=work.new_tokens, do_sample=False, pad_token_id=1)
+    kwargs = dict(max_new_tokens=work.new_tokens, do_sample=False, pad_token_id=1, custom_generate=decode)
     with cache_for(model, artifact, **vars(config)) as cache:
         model.generate(ids, **{cache_argument(model): cache}, prefill_chunk_size=work.prefill_chunk, **kwargs)
 
@@ -99,13 +96,14 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch):
             for layer in offloaded
         )
         pools = sum(layer.pool.nbytes for layer in offloaded)
+        dense_layers = sum(type(layer) is DenseLayer for layer in cache.layers)
     channels = padded_channels(artifact.channels(offloaded[0].index).shape[-1])
     found = memory.plan(memory.model_of(model.config, torch.float32), torch.float32, work, config, channels=channels)
     planned = parts(found)
     spec = model_spec(model.config)
     kv_row = 2 * spec.n_kv_heads * spec.head_dim * 2 * 4  # 2 rows of float32 K and V
-    grew_decode = memory.dense_growth(work)[3]
-    dense = planned["dense layers' KV"] + planned["decode: dense layers' KV grown"] - kv_row * grew_decode
+    dense = planned["dense layers' KV"]
+    assert dense == dense_layers * kv_row * work.tokens  # told the run's length: never grown
     assert held(DenseLayer) == dense and held(SlidingLayer) == planned["sliding windows' KV"]
     assert state == planned["offloaded layers' slot state"] and pools == planned["CPU KV pool"]
     assert min(dense, state, pools) > 0 and (held(SlidingLayer) > 0) == (arch == "gemma3")

@@ -135,6 +135,8 @@ class Decoder:
         self.token = self.ids[:, -1:]
         self.position = torch.full((case.batch, 1), case.prompt_len - 1, device=self.device)
         self.step = StepGraph(model, cache) if isinstance(cache, InfinigenCache) and case.graphs == "step" else None
+        if isinstance(cache, InfinigenCache):  # as ``infinigen.decode`` tells it: the run's length
+            cache.expect(case.prompt_len + case.warmup + case.gen_len)
 
     def forward(self, ids: torch.Tensor) -> None:
         if self.step is None or ids.shape[1] > 1:

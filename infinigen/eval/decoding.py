@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.errors import InfinigenError
-from infinigen.runtime import StepGraph
+from infinigen.runtime import InfinigenCache, StepGraph
 from infinigen.runtime.generation import prefill
 
 # Prefill in chunks of this many tokens: with a padding mask, SDPA materialises the scores of a
@@ -70,6 +70,8 @@ def stepwise_logits(
     (positions then count real tokens only, as ``generate`` does)."""
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    if isinstance(cache, InfinigenCache):  # as ``infinigen.decode`` tells it: the run's length
+        cache.expect(ids.shape[1])
     yield prefill(model, cache, ids[:, :prefix], mask[:, :prefix], chunk)
     step = step or StepGraph(model, cache)
     for t in range(prefix, ids.shape[1]):

@@ -138,6 +138,7 @@ def decode(
         streamer.put(input_ids.cpu())  # as generate does for its own loop
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
+    cache.expect(generation_config.max_length)  # the prompt and every new token (generate has set it)
     logits = prefill(model, cache, input_ids, mask, getattr(generation_config, "prefill_chunk_size", None))
     step = StepGraph(model, cache)
     position = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)  # (B, 1) of the last prompt token

@@ -31,7 +31,7 @@ from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.memory import plan, reuse
 from infinigen.runtime.memory.host_memory import HostBlocks
 from infinigen.runtime.memory.pool import row_bytes
-from infinigen.runtime.memory.sizing import offloaded_layer_indices, pool_limit
+from infinigen.runtime.memory.sizing import blocks_ahead, offloaded_layer_indices, pool_limit
 from infinigen.runtime.selection.allocation import offloaded_budgets
 from infinigen.runtime.selection.policies import Selection, make_policy, supported_policy
 from infinigen.runtime.selection.speculation import LayerSpeculator
@@ -83,6 +83,7 @@ class InfinigenCache(Cache):
         self.reuse: reuse.Decision | None = None
         self.reuse_auto = False  # an auto decision still to make, or to check again as the pools grow
         self.gpu_budget: int | None = None  # the budget auto reuse plans within, from the first prefill
+        self.expected_tokens = 0  # what the run will cache per row, where its decode loop says (``expect``)
         # what the plan reads of the model: its config and its weights (every tensor-parallel rank's)
         self.planned = plan.Model(model.config, weight_bytes(model) * self.shard.ranks)
         self.reuse_capacity = 0  # the pool capacity of the latest auto decision
@@ -133,6 +134,12 @@ class InfinigenCache(Cache):
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def expect(self, tokens: int) -> None:
+        """The run will cache up to ``tokens`` tokens per row (prompt and new ones; a decode loop that knows
+        its length says so before the prefill): dense layers then hold their buffers at that size from
+        the start, instead of growing as tokens arrive (each growth copies a layer's KV beside itself)."""
+        self.expected_tokens = tokens
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.closed:
             raise InfinigenError("this cache is closed: make a new one with infinigen.cache_for(model)")
@@ -146,18 +153,12 @@ class InfinigenCache(Cache):
 
     def blocks_ahead(self, key_states: torch.Tensor) -> list[int]:
         """The sizes of the pool blocks a multi-token step of these keys (layer 0's, B, kv_heads, T, d)
-        will add, layer by layer: the offloaded layers' keys have layer 0's shape (a layer whose
-        differ makes its own blocks when it reaches them)."""
+        will add, layer by layer (``sizing.blocks_ahead``)."""
         batch, kv_heads, new, head_dim = key_states.shape
         rows = row_bytes(head_dim, key_states.dtype, self.policy_type.codec, self.config.kv_bits)
-        nbytes = batch * kv_heads * self.config.block_tokens * rows
+        made = [(layer.used, 0 if layer.pool is None else len(layer.pool.blocks)) for layer in self.offloaded]
         limit = self.pool_limit(batch, key_states.dtype)
-        sizes = []
-        for layer in self.offloaded:
-            tokens = layer.used + new if limit is None else min(layer.used + new, limit)
-            have = 0 if layer.pool is None else len(layer.pool.blocks)
-            sizes += [nbytes] * max(0, -(-tokens // self.config.block_tokens) - have)
-        return sizes
+        return blocks_ahead(made, new, batch * kv_heads * rows, self.config.block_tokens, limit)
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer ``layer``'s rotary (cos, sin) in the running forward (its type's own where types

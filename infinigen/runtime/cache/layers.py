@@ -69,8 +69,13 @@ class DenseLayer(_Layer):
         return self.keys.shape[2]
 
     def reserve(self, tokens: int) -> None:
-        """Room for ``tokens`` tokens (grown by an eighth: appends stay amortised O(1))."""
-        self.keys, self.values = grown(self.keys, tokens, 2), grown(self.values, tokens, 2)
+        """Room for ``tokens`` tokens: the run's length at once where the cache expects it (``expect``),
+        else grown by an eighth (appends stay amortised O(1))."""
+        if tokens <= self.cache.expected_tokens:
+            wanted = self.cache.expected_tokens
+            self.keys, self.values = grown_to(self.keys, wanted, 2), grown_to(self.values, wanted, 2)
+        else:
+            self.keys, self.values = grown(self.keys, tokens, 2), grown(self.values, tokens, 2)
         self.valid = grown_to(self.valid, self.capacity, 2, fill=False)
 
     def update(self, key_states, value_states, *args, **kwargs):

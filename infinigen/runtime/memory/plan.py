@@ -140,22 +140,6 @@ class MemoryPlan:
         return self.budget is None or self.needed_gpu <= self.budget
 
 
-def dense_growth(work: Workload) -> tuple[int, int, int, int]:
-    """A dense layer's buffer slots (``kernels.buffers.grown``: to what is needed, and at least an eighth
-    more, at least 256, each time it is short), as the prefill's chunks and then each decode token reach
-    it: its slots after the prefill and at the end, and the largest it was when it grew during the
-    prefill and during decoding (old and new buffers side by side while it copies; 0: it did not grow)."""
-    capacity, grew = 0, {"prefill": 0, "decode": 0}
-    ends = [*range(work.chunk, work.context, work.chunk), work.context]
-    for phase, needed in [*(("prefill", end) for end in ends), ("decode", work.tokens)]:
-        if phase == "decode":
-            after_prefill = capacity
-        while capacity < needed:
-            grew[phase] = max(grew[phase], capacity)
-            capacity = max(needed if phase == "prefill" else capacity + 1, capacity + max(256, capacity // 8))
-    return after_prefill, capacity, grew["prefill"], grew["decode"]
-
-
 def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: RuntimeConfig, reuse_on: bool, **opts):
     """The parts of a run with these settings (``plan``'s inner step; ``opts``: channels, layer_budgets,
     ranks)."""
@@ -170,8 +154,8 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
     capacity = -(-work.tokens // block) * block  # an offloaded pool's slots (whole blocks)
     kv_row = kv * d * 2 * e  # one token's K and V of every KV head of one batch row, on the GPU
     parts = [Part("weights", "gpu", model.weight_bytes // ranks)]
-    prefilled, grown, grew_prefill, grew_decode = dense_growth(work)
-    parts.append(Part("dense layers' KV", "gpu", len(dense) * batch * kv_row * prefilled))
+    # at the run's length from the start: the decode loops tell the cache (``InfinigenCache.expect``)
+    parts.append(Part("dense layers' KV", "gpu", len(dense) * batch * kv_row * work.tokens))
     sliding = sum(min(w, work.tokens) for w in windows if w is not None)
     parts.append(Part("sliding windows' KV", "gpu", batch * kv_row * sliding))
     if offloaded:
@@ -197,10 +181,6 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
         selection = 3 * 4 * batch * kv * capacity  # scores, their ranks and counts, float32 / int32
         parts.append(Part("decode: selection workspace", "gpu", selection, "decode"))
     parts += _prefill_parts(model, work, config, kv, heads, d, e)
-    if dense:  # grown in decoding; and while a buffer grows, its old one beside the new
-        parts.append(Part("prefill: a dense layer growing", "gpu", batch * kv_row * grew_prefill, "prefill"))
-        more = len(dense) * (grown - prefilled) + grew_decode
-        parts.append(Part("decode: dense layers' KV grown", "gpu", batch * kv_row * more, "decode"))
     step = batch * (4 * model.hidden + 3 * model.intermediate + model.vocab) * e * 2
     parts.append(Part("decode: a step's activations", "gpu", step, "decode"))
     return parts

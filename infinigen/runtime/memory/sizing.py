@@ -38,6 +38,20 @@ def pool_limit(
     return tokens - tokens % block_tokens if tokens >= block_tokens else tokens
 
 
+def blocks_ahead(
+    layers: list[tuple[int, int]], new: int, row_bytes: int, block_tokens: int, limit: int | None
+) -> list[int]:
+    """The sizes of the pool blocks a multi-token step of ``new`` tokens will add, layer by layer, to
+    offloaded layers of (slots used, blocks made) each, rows of ``row_bytes`` for every (batch row, KV
+    head): the offloaded layers' keys have layer 0's shape (a layer whose differ makes its own blocks
+    when it reaches them). ``limit``: the tokens a limited pool holds."""
+    sizes = []
+    for used, made in layers:
+        tokens = used + new if limit is None else min(used + new, limit)
+        sizes += [row_bytes * block_tokens] * max(0, -(-tokens // block_tokens) - made)
+    return sizes
+
+
 @dataclass(frozen=True)
 class PoolSize:
     blocks: int  # pool blocks, over every offloaded layer
