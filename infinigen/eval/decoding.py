@@ -15,7 +15,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.errors import InfinigenError
 from infinigen.runtime import InfinigenCache, StepGraph
+from infinigen.runtime.config import config_from
 from infinigen.runtime.generation import prefill
+from infinigen.runtime.memory import plan as memory
 
 # Prefill in chunks of this many tokens: with a padding mask, SDPA materialises the scores of a
 # chunk against the whole cache, (batch, heads, chunk, T) floats (a 16K window of 13 rows of a
@@ -157,6 +159,7 @@ def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, 
     """Through the runtime: prefill ids[:, :prefix], feed the rest one token per decode step, then
     decode ``new_tokens`` greedy tokens one per step. (B, new_tokens)."""
     step = StepGraph(model, cache)  # one graph for the fed and the generated tokens
+    cache.expect(ids.shape[1] + new_tokens)
     *_, logits = stepwise_logits(model, cache, ids, prefix, step=step)
     tokens = [logits.argmax(-1, keepdim=True)]
     position = torch.full_like(tokens[0], ids.shape[1] - 1)
@@ -164,3 +167,11 @@ def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, 
         position = position + 1
         tokens.append(step(tokens[-1], position).argmax(-1, keepdim=True))
     return torch.cat(tokens, dim=1)
+
+
+def planned(model: PreTrainedModel, settings: dict, batch: int, prefix: int, new_tokens: int) -> memory.MemoryPlan:
+    """The memory plan of ``batch`` rows prefilled with ``prefix`` tokens (in chunks of ``PREFILL_CHUNK``),
+    then ``new_tokens`` decode steps, with ``settings`` (``RuntimeConfig`` fields), under their GPU budget."""
+    config = config_from(settings)
+    budget = memory.budget_bytes(config.gpu_memory_gb, next(model.parameters()).device)
+    return memory.plan_for(model, config, memory.Workload(batch, prefix, new_tokens, PREFILL_CHUNK), budget)

@@ -20,8 +20,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.eval.decoding import greedy_after
+from infinigen.eval.decoding import greedy_after, planned
 from infinigen.runtime import cache_for
+from infinigen.runtime.memory import plan as memory
 
 NEEDLE = " The secret code is {code}."
 QUESTION = "\n\nQuestion: What is the secret code?\nAnswer: The secret code is"
@@ -132,15 +133,21 @@ def needle_accuracy(
 ) -> dict:
     """Accuracy per (length, depth) cell and overall; ``settings`` are ``RuntimeConfig`` fields.
     ``on_answer`` gets each prompt's answer as it comes."""
+    longest = max(prompts, key=lambda prompt: len(prompt.ids))
+    fed = len(longest.ids) - longest.question_start  # the question, one token a step, then the answer
+    found = planned(model, settings, 1, longest.question_start, fed + ANSWER_TOKENS)
+    if not found.fits:
+        raise InfinigenError("does not fit: " + memory.refusal(found))
     answers = []
-    for prompt in prompts:
-        answers.append(answer(model, tokenizer, artifact, prompt, settings))
+    for prompt in prompts:  # every prompt with the settings the longest one's plan leaves
+        answers.append(answer(model, tokenizer, artifact, prompt, memory.cache_settings(found)))
         on_answer(answers[-1])
     cells: dict[tuple[int, float], list[bool]] = {}
     for a in answers:
         cells.setdefault((a["length"], a["depth"]), []).append(a["correct"])
     return {
         **settings,
+        "memory_plan": memory.summary(found),
         "accuracy": round(sum(a["correct"] for a in answers) / len(answers), 4),
         "fraction_fetched": round(sum(a["fraction_fetched"] for a in answers) / len(answers), 4),
         "cells": [

@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from infinigen.artifacts import Artifact
-from infinigen.eval.decoding import PREFILL_CHUNK, teacher_forced_nll
+from infinigen.eval.decoding import planned, teacher_forced_nll
 from infinigen.eval.recall import RecallProbe
 from infinigen.runtime import cache_for
 from infinigen.runtime.config import config_from
@@ -32,13 +32,6 @@ def pool_settings(model: PreTrainedModel, settings: dict, tokens: int, batch: in
     stored = row_bytes(spec.head_dim, model.dtype, policy.codec, config.kv_bits)
     nbytes = tokens * offloaded * batch * spec.n_kv_heads * stored
     return {"cpu_pool_gb": (nbytes + 0.5) / 1e9, "block_tokens": block_tokens}  # + half a byte: no rounding down
-
-
-def _planned(model: PreTrainedModel, settings: dict, batch: int, prefix: int, decoded: int) -> memory.MemoryPlan:
-    """The memory plan of one batch of windows: ``prefix`` tokens prefilled, ``decoded`` decode steps."""
-    config = config_from(settings)
-    budget = memory.budget_bytes(config.gpu_memory_gb, next(model.parameters()).device)
-    return memory.plan_for(model, config, memory.Workload(batch, prefix, decoded, PREFILL_CHUNK), budget)
 
 
 def perplexity(
@@ -69,7 +62,7 @@ def perplexity(
         rows = ids[start : start + batch].to(model.device)
         if pool_fraction is not None:
             settings |= pool_settings(model, settings, int(pool_fraction * ids.shape[1]), rows.shape[0])
-        found = _planned(model, settings, rows.shape[0], prefix, ids.shape[1] - 1 - prefix)
+        found = planned(model, settings, rows.shape[0], prefix, ids.shape[1] - 1 - prefix)
         if not found.fits:  # the sweep goes on: this row says why it did not run
             return {**settings, "memory_plan": memory.summary(found), "error": "does not fit: " + memory.refusal(found)}
         cache = cache_for(model, artifact, **memory.cache_settings(found))

@@ -138,7 +138,7 @@ class InfinigenCache(Cache):
         """The run will cache up to ``tokens`` tokens per row (prompt and new ones; a decode loop that knows
         its length says so before the prefill): dense layers then hold their buffers at that size from
         the start, instead of growing as tokens arrive (each growth copies a layer's KV beside itself)."""
-        self.expected_tokens = tokens
+        self.expected_tokens = max(self.expected_tokens, tokens)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.closed:
