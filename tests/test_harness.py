@@ -10,7 +10,7 @@ import torch
 from helpers import EXACT, tiny_setup
 
 from infinigen.errors import InfinigenError
-from infinigen.eval.harness import HarnessModel, cut, runtime_settings
+from infinigen.eval.harness import HarnessModel, cut, harness_settings, runtime_settings
 
 REQUESTS = [
     ("the cat sat on the", " mat and the dog"),
@@ -154,3 +154,30 @@ def test_model_args_win_over_lm_evals_own_flags(checkpoint):
         InfinigenLM.create_from_arg_string(f"pretrained={folder},policy=dense,device=cpu", flags).harness.batch_size
         == 1
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
+def test_lm_evals_default_device_falls_back_to_the_cpu(capsys):
+    """lm-eval names cuda unless told otherwise: without a GPU its default becomes the CPU (said on stderr);
+    a device in the model args is the user's own and stays (refused where it cannot run)."""
+    settings = harness_settings({"pretrained": "smollm2-135m"}, {"device": "cuda:0", "batch_size": 4})
+    assert settings == {"pretrained": "smollm2-135m", "device": "cpu", "batch_size": 4}
+    assert "no CUDA device: running on the CPU instead of lm-eval's cuda:0" in capsys.readouterr().err
+    asked = harness_settings({"device": "cuda"}, {"device": "cuda:0", "batch_size": None})
+    assert asked == {"device": "cuda"}
+    assert harness_settings({"batch_size": 2}, {"batch_size": 8}) == {"batch_size": 2}
+
+
+def test_the_harness_entry_point_without_lm_eval_is_one_line():
+    """``python -m infinigen.eval.harness`` where lm-eval is not installed: one line and exit code 2."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("lm_eval") is not None:
+        pytest.skip("lm-eval is installed here")
+    command = [sys.executable, "-m", "infinigen.eval.harness", "--tasks", "x"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: lm-eval is not installed: pip install 'infinigen[lm-eval]'"
+    ]

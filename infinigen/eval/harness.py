@@ -27,6 +27,7 @@ Every request goes through the runtime's decode path, one fresh cache per batch:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,6 +243,18 @@ def cut(text: str, until: list[str]) -> str:
     return text
 
 
+def harness_settings(model_args: dict, lm_eval_args: dict | None) -> dict:
+    """The model's arguments: the model args, then lm-eval's own ``--batch_size`` / ``--device`` where the
+    model args do not set them. lm-eval names a CUDA device unless told otherwise; on a machine without
+    one that default falls back to the CPU, as transformers' own lm-eval model does (a device given in
+    the model args is kept: asking for CUDA where there is none is then one clear error)."""
+    extra = {key: value for key, value in (lm_eval_args or {}).items() if value is not None}
+    if "device" not in model_args and str(extra.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+        print(f"no CUDA device: running on the CPU instead of lm-eval's {extra['device']}", file=sys.stderr)
+        extra["device"] = "cpu"
+    return {**extra, **model_args}
+
+
 try:  # lm-eval is an optional extra: without it the scoring above still serves Python callers
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
@@ -272,8 +285,7 @@ if LM is not None:
         def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> InfinigenLM:
             """lm-eval's constructor from the model args, with its own ``--batch_size`` / ``--device``
             (``additional_config``) where the model args do not set them: the model args win."""
-            extra = {key: value for key, value in (additional_config or {}).items() if value is not None}
-            return cls(**{**extra, **arg_dict})
+            return cls(**harness_settings(arg_dict, additional_config))
 
         @classmethod
         def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> InfinigenLM:
@@ -304,12 +316,18 @@ if LM is not None:
 
 
 def main() -> None:
-    """lm-eval's command line with ``infinigen`` registered."""
+    """lm-eval's command line with ``infinigen`` registered; an error the user can fix (ours) is one line
+    and exit code 2, as in ``infinigen``'s own commands."""
     if LM is None:
-        raise SystemExit("lm-eval is not installed: pip install 'infinigen[lm-eval]'")
+        print("error: lm-eval is not installed: pip install 'infinigen[lm-eval]'", file=sys.stderr)
+        raise SystemExit(2)
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except InfinigenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
