@@ -166,13 +166,13 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
             Part("offloaded layers' slot state", "gpu", int(len(offloaded) * batch * kv * capacity * per_slot))
         )
         budgets = opts.get("layer_budgets") or [config.budget] * len(offloaded)
-        ks = [rows_bound(b, capacity, config.min_tokens) if policy.budgeted else capacity for b in budgets]
         if reuse_on:
             extra = config.resident_extra_or_default
             resident = reuse.resident_bytes(batch, kv, d, e, capacity, budgets, config.min_tokens, extra)
             parts.append(Part("decode: resident rows", "gpu", resident, "decode"))
         else:  # two staging buffers (layers alternate), each the largest fetch
-            parts.append(Part("decode: fetch staging", "gpu", 2 * batch * kv_row * (max(ks) + 1), "decode"))
+            k = max(rows_bound(b, capacity, config.min_tokens) for b in budgets) if policy.budgeted else capacity
+            parts.append(Part("decode: fetch staging", "gpu", 2 * batch * kv_row * (k + 1), "decode"))
         pool = host_pool_size(model.config, batch, work.tokens, dtype, ranks, **_settings(config))
         parts.append(Part("CPU KV pool", "host", pool.nbytes))
         stored = row_bytes(d, dtype, policy.codec, config.kv_bits) // 2  # one K or V, as the pool keeps it
