@@ -50,6 +50,16 @@ def test_budget_one_gives_dense_loglikelihoods(tokenizer, arch):
             assert math.isclose(logprob, reference, abs_tol=1e-4), (got, expected)
 
 
+def test_requests_are_refused_where_their_batch_does_not_fit(tokenizer):
+    """Each batch of requests is planned under the GPU budget before its cache is made: one that does not
+    fit is one line (``InfinigenError``), scoring and generation alike."""
+    model = harness(tokenizer, policy="infinigen", gpu_memory_gb=0.5)
+    with pytest.raises(InfinigenError, match=r"^does not fit: \d x .* the weights alone do not fit"):
+        model.loglikelihood(REQUESTS[:3])
+    with pytest.raises(InfinigenError, match="^does not fit: 1 x .* the weights alone do not fit"):
+        model.generate_until([("the cat", {"max_gen_toks": 2})])
+
+
 def test_greedy_continuation_is_flagged(tokenizer):
     """A continuation made of the model's own argmax tokens is greedy; one token changed is not."""
     model = harness(tokenizer, policy="infinigen", **EXACT)

@@ -16,10 +16,9 @@ from infinigen.runtime.memory.host_memory import HostBlocks, as_bytes, retire
 
 
 def flush_retired(device: str) -> None:
-    """Free the blocks earlier tests' caches left for reuse (a plan of nothing frees every spare)."""
+    """Free the blocks earlier tests' caches left for reuse."""
     gc.collect()
-    host = HostBlocks(torch.device(device))
-    host.plan([])
+    host_memory.release_retired(torch.device(device))
 
 
 def test_planned_blocks_come_in_order_and_spares_are_reused_or_freed(device):
@@ -76,6 +75,22 @@ def test_a_dropped_host_blocks_retires_its_unused_blocks(device):
     host.plan([32])
     assert host.take(32).data_ptr() == untaken
     retire([taken], torch.device(device))
+
+
+def test_released_blocks_are_freed_not_reused(device):
+    """A dropped pool's blocks wait for the next plan to reuse them, unless released first (a benchmark
+    does so before a baseline that needs the host's memory): then freed, unregistered, and not reused."""
+    flush_retired(device)
+    host = HostBlocks(torch.device(device))
+    host.plan([64, 32])
+    blocks = [host.take(64), host.take(32)]
+    pointers = {block.data_ptr() for block in blocks}
+    retire(blocks, host.device)
+    del blocks
+    assert host_memory.release_retired(torch.device(device)) == 96
+    assert host_memory.release_retired(torch.device(device)) == 0  # nothing left retired
+    assert not pointers & set(host_memory._registered)
+    assert all(where != host.device for where, _ in host_memory._retired)
 
 
 def prefill(model, cache, batch: int, tokens: int, device: str) -> None:

@@ -103,6 +103,42 @@ def test_where_each_selection_reads(tokenizer, arch, device, monkeypatch, lookah
                 assert torch.equal(own[0], previous[0]) == (arch != "gemma3")  # Gemma 3: another base
 
 
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_layer_0_offloaded_selects_from_its_own_input(tokenizer, arch, device, monkeypatch):
+    """With no dense layer (the memory plan's last resort), layer 0 has no layer before it: each decode
+    step selects its rows from layer 0's own input, under its own norm, before it runs. At budget 1
+    decoding stays exact; below it, layer 0 fetches its share like any offloaded layer."""
+    model, artifact = tiny_setup(tokenizer, arch, device)
+    inputs = padded_batch([list(range(3, 20)), list(range(40, 50))], pad=1, device=device)
+    blocks, inputs_of_0, selected_from = decoder_layers(model), [], []
+    handle = blocks[0].register_forward_pre_hook(
+        lambda m, args, kwargs: inputs_of_0.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True
+    )
+    real_prefetch = OffloadedLayer.prefetch
+
+    def recording_prefetch(layer, hidden, norm, rope):
+        if layer.index == 0:
+            selected_from.append(hidden)
+            torch.testing.assert_close(norm(hidden), attention_norm(blocks[0])(hidden))
+        return real_prefetch(layer, hidden, norm, rope)
+
+    monkeypatch.setattr(OffloadedLayer, "prefetch", recording_prefetch)
+    try:
+        expected = greedy(model, inputs, DynamicCache())
+        inputs_of_0.clear()
+        cache = cache_for(model, artifact, dense_layers=0, **EXACT)
+        assert cache.offloaded_indices == [0, 1, 2]
+        assert torch.equal(greedy(model, inputs, cache), expected)
+    finally:
+        handle.remove()
+    decode_inputs = [h.reshape(2, -1) for h in inputs_of_0 if h.shape[1] == 1]
+    assert len(selected_from) == len(decode_inputs) == 11
+    assert all(torch.equal(a, b) for a, b in zip(selected_from, decode_inputs, strict=True))
+    with cache_for(model, artifact, dense_layers=0, budget=0.3) as cache:
+        greedy(model, inputs, cache, new_tokens=4)
+        assert 0 < cache.summary()["per_layer"][0]["fraction_mean"] < 1
+
+
 @pytest.mark.parametrize("policy", ["dense", "full", "infinigen"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_sliding_window_layers_keep_their_window_on_the_device(tokenizer, attention, policy, device):
@@ -246,7 +282,6 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"lookahead_from": "output"}, "lookahead_from must be one of"),
         ({"attention_lookahead_layers": -1}, "attention_lookahead_layers must be >= 0"),
         ({"partial_key_bits": 2}, "partial_key_bits must be one of 4, 8, 16"),
-        ({"dense_layers": 0}, "dense_layers must be at least 1"),
         ({"reuse_rows": True, "cpu_pool_gb": 1.0}, "reuse_rows needs an unlimited CPU pool"),
         ({"gather_rows": 12}, "gather_rows must be a power of two"),
         ({"gather_programs": 0}, "gather_programs must be >= 1"),

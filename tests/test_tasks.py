@@ -64,14 +64,26 @@ def test_examples_scored_together_score_as_alone(tokenizer):
         Example.of("A much longer context than the others, to pad the rest:", [" x", " y", " z"], 2),
     ]
     settings = {"policy": "infinigen", **EXACT}
-    together, _ = choice_logprobs(model, tokenizer, artifact, examples, settings)
+    together, _, _ = choice_logprobs(model, tokenizer, artifact, examples, settings)
     alone = [choice_logprobs(model, tokenizer, artifact, [example], settings)[0][0] for example in examples]
     assert [len(s) for s in together] == [2, 2, 3]
     for group, single in zip(together, alone, strict=True):
         assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(group, single, strict=True)), (group, single)
     one = task_accuracy(model, tokenizer, artifact, examples, shots=1, limit=3, seed=0, batch=1, **settings)
     grouped = task_accuracy(model, tokenizer, artifact, examples, shots=1, limit=3, seed=0, batch=2, **settings)
+    assert one.pop("memory_plan") != grouped.pop("memory_plan")  # one example's choices a batch, or two's
     assert one == grouped
+
+
+def test_task_scoring_runs_as_the_memory_plan_says(tokenizer):
+    """Each group of examples is planned before it runs: the report states the largest group's plan, and
+    a budget its batch cannot fit in is refused in one line before any cache is made."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    examples = [Example.of("One, two, three,", [" four", " five"], 0), Example.of("I ate the", [" soup"], 0)]
+    report = task_accuracy(model, tokenizer, artifact, examples, shots=0, limit=2, seed=0, batch=2, policy="infinigen")
+    assert 0 < report["memory_plan"]["planned_peak_gpu_gb"] < 0.01
+    with pytest.raises(InfinigenError, match="^does not fit: 3 x .* the weights alone do not fit"):
+        task_accuracy(model, tokenizer, artifact, examples, shots=0, limit=2, seed=0, batch=2, gpu_memory_gb=0.5)
 
 
 def test_scoring_needs_two_context_tokens(tokenizer):

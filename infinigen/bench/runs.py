@@ -28,6 +28,7 @@ from infinigen.prepare import DEFAULT_RATIO
 from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument
 from infinigen.runtime.config import config_from
 from infinigen.runtime.generation import prefill
+from infinigen.runtime.memory import host_memory
 from infinigen.runtime.memory import plan as memory
 from infinigen.tensor_parallel import together
 
@@ -240,10 +241,13 @@ def unless_out_of_memory(run: Callable[[], dict], case: BenchCase, device: torch
     return case_settings(case) | {"error": error}
 
 
-def release_cached_memory(device: torch.device) -> None:
-    """Between cases: the device's cached blocks, and (torch >= 2.12) the pinned host blocks the
-    last case's pool left cached, which would otherwise add up over a sweep's sizes."""
+def release_cached_memory(device: torch.device, keep_pool_blocks: bool = True) -> None:
+    """Between cases: the device's cached blocks, (torch >= 2.12) the pinned host blocks the last case's
+    pool left cached, which would otherwise add up over a sweep's sizes, and unless ``keep_pool_blocks``
+    (the next case's pool reuses them) the last pool's blocks: a baseline needs that host memory."""
     gc.collect()
+    if not keep_pool_blocks:
+        host_memory.release_retired(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)
@@ -256,7 +260,7 @@ def run_case(
     model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
 ) -> dict:
     device = next(model.parameters()).device
-    release_cached_memory(device)
+    release_cached_memory(device, keep_pool_blocks=case.ours)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cache = make_cache(model, artifact, case)

@@ -102,25 +102,19 @@ def teacher_forced_nll(
     return torch.stack(nll, dim=1)
 
 
+Pairs = list[tuple[list[int], list[int]]]  # (context ids, continuation ids)
+
+
 def continuation_logprobs(
-    model: PreTrainedModel, cache, pairs: list[tuple[list[int], list[int]]], pad: int
+    model: PreTrainedModel, cache, pairs: Pairs, pad: int, chunk: int = PREFILL_CHUNK
 ) -> list[float]:
     """log p(continuation | context) of each (context, continuation) pair (``continuation_scores``)."""
-    return [logprob for logprob, _ in continuation_scores(model, cache, pairs, pad)]
+    return [logprob for logprob, _ in continuation_scores(model, cache, pairs, pad, chunk)]
 
 
-@torch.no_grad()
-def continuation_scores(
-    model: PreTrainedModel, cache, pairs: list[tuple[list[int], list[int]]], pad: int
-) -> list[tuple[float, bool]]:
-    """(log p(continuation | context), whether greedy decoding yields the continuation) of each
-    (context, continuation) pair, all decoded together as one batch through the runtime. Row i: left
-    padding, context_i but its last token (prefilled densely), then its last token and continuation_i
-    (one decode step each, so a sparse step predicts every continuation token), then right padding
-    (after the scored tokens: it changes none of them).
-
-    Contexts of one token are scored in batches of their own (the prefill is then that token): a row
-    of padding alone in a prefill would attend to nothing."""
+def scoring_layout(pairs: Pairs) -> tuple[int, int, int]:
+    """(prefix, offset, width) of ``pairs`` scored together (``continuation_scores``): the tokens
+    prefilled, the column of each continuation's first scored token, the tokens of every row."""
     if not pairs or any(not context or not continuation for context, continuation in pairs):
         raise InfinigenError("scoring needs non-empty contexts and continuations")
     longest = max(len(context) for context, _ in pairs)
@@ -131,7 +125,32 @@ def continuation_scores(
             "next to longer contexts, a context needs at least 2 tokens (one-token contexts: a batch of their own)"
         )
     prefix = max(longest - 1, 1)
-    width = prefix + offset + max(len(continuation) for _, continuation in pairs)
+    return prefix, offset, prefix + offset + max(len(continuation) for _, continuation in pairs)
+
+
+def scoring_plan(model: PreTrainedModel, settings: dict, pairs: Pairs) -> memory.MemoryPlan:
+    """The memory plan of scoring ``pairs`` together under ``settings``' GPU budget; refuses in one
+    line (``InfinigenError``) where it does not fit."""
+    prefix, _, width = scoring_layout(pairs)
+    found = planned(model, settings, len(pairs), prefix, width - 1 - prefix)
+    if not found.fits:
+        raise InfinigenError("does not fit: " + memory.refusal(found))
+    return found
+
+
+@torch.no_grad()
+def continuation_scores(
+    model: PreTrainedModel, cache, pairs: Pairs, pad: int, chunk: int = PREFILL_CHUNK
+) -> list[tuple[float, bool]]:
+    """(log p(continuation | context), whether greedy decoding yields the continuation) of each
+    (context, continuation) pair, all decoded together as one batch through the runtime. Row i: left
+    padding, context_i but its last token (prefilled densely), then its last token and continuation_i
+    (one decode step each, so a sparse step predicts every continuation token), then right padding
+    (after the scored tokens: it changes none of them).
+
+    Contexts of one token are scored in batches of their own (the prefill is then that token): a row
+    of padding alone in a prefill would attend to nothing."""
+    prefix, offset, width = scoring_layout(pairs)
     rows, masks = [], []
     for context, continuation in pairs:
         left = prefix + offset - len(context)
@@ -141,7 +160,7 @@ def continuation_scores(
     targets = ids[:, prefix:]
     # one step's log-probabilities at a time: (B, V) per step, never (B, T, V)
     logprobs, greedy = [], []
-    for logits in stepwise_logits(model, cache, ids[:, :-1], prefix, mask[:, :-1]):
+    for logits in stepwise_logits(model, cache, ids[:, :-1], prefix, mask[:, :-1], chunk=chunk):
         column = len(logprobs)
         logits = logits.float()
         logprobs.append(logits.log_softmax(-1).gather(-1, targets[:, column : column + 1])[:, 0])
@@ -169,9 +188,12 @@ def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, 
     return torch.cat(tokens, dim=1)
 
 
-def planned(model: PreTrainedModel, settings: dict, batch: int, prefix: int, new_tokens: int) -> memory.MemoryPlan:
-    """The memory plan of ``batch`` rows prefilled with ``prefix`` tokens (in chunks of ``PREFILL_CHUNK``),
-    then ``new_tokens`` decode steps, with ``settings`` (``RuntimeConfig`` fields), under their GPU budget."""
+def planned(
+    model: PreTrainedModel, settings: dict, batch: int, prefix: int, new_tokens: int, chunk: int | None = PREFILL_CHUNK
+) -> memory.MemoryPlan:
+    """The memory plan of ``batch`` rows prefilled with ``prefix`` tokens (in chunks of ``chunk``; None: at
+    once), then ``new_tokens`` decode steps, with ``settings`` (``RuntimeConfig`` fields), under their
+    GPU budget."""
     config = config_from(settings)
     budget = memory.budget_bytes(config.gpu_memory_gb, next(model.parameters()).device)
-    return memory.plan_for(model, config, memory.Workload(batch, prefix, new_tokens, PREFILL_CHUNK), budget)
+    return memory.plan_for(model, config, memory.Workload(batch, prefix, new_tokens, chunk), budget)

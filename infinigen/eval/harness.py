@@ -37,9 +37,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.errors import InfinigenError
-from infinigen.eval.decoding import continuation_scores
+from infinigen.eval.decoding import continuation_scores, planned, scoring_plan
 from infinigen.runtime import cache_argument, cache_for, decode, load
 from infinigen.runtime.config import RUNTIME_FIELDS, config_from, parse_value
+from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.text import pad_token_id
 
 DEFAULT_BATCH = 8
@@ -113,9 +114,6 @@ class HarnessModel:
             raise InfinigenError("the tokenizer has neither a BOS nor an EOS token to stand for an empty context")
         return token
 
-    def cache(self):
-        return cache_for(self.model, self.artifact, **self.settings)
-
     # ---- tokenization (HFLM's) ----
 
     def encode(self, text: str, special: bool | None = None) -> list[int]:
@@ -151,10 +149,11 @@ class HarnessModel:
             [i for i in order if len(pairs[i][0]) == 1],
         ):
             for start in range(0, len(group), self.batch_size):
-                batch = group[start : start + self.batch_size]
-                with self.cache() as cache:
-                    scores = continuation_scores(self.model, cache, [pairs[i] for i in batch], self.pad)
-                for i, score in zip(batch, scores, strict=True):
+                batch = [pairs[i] for i in group[start : start + self.batch_size]]
+                found = scoring_plan(self.model, self.settings, batch)
+                with cache_for(self.model, self.artifact, **memory.cache_settings(found)) as cache:
+                    scores = continuation_scores(self.model, cache, batch, self.pad, found.workload.chunk)
+                for i, score in zip(group[start : start + self.batch_size], scores, strict=True):
                     results[i] = score
         return results  # type: ignore[return-value]
 
@@ -221,11 +220,16 @@ class HarnessModel:
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)
-        with self.cache() as cache:
+        found = planned(self.model, self.settings, len(prompts), width, new_tokens, chunk=None)
+        if not found.fits:
+            raise InfinigenError("does not fit: " + memory.refusal(found))
+        chunk = found.workload.prefill_chunk
+        with cache_for(self.model, self.artifact, **memory.cache_settings(found)) as cache:
             output = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=new_tokens,
+                **({"prefill_chunk_size": chunk} if chunk is not None and chunk < width else {}),
                 custom_generate=decode,
                 pad_token_id=self.pad,
                 **options,

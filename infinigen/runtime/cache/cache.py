@@ -46,8 +46,6 @@ class InfinigenCache(Cache):
         self.policy_type = supported_policy(config, has_artifact=artifact is not None)
         self.offloaded_indices = offloaded_layer_indices(model.config, config.dense_layers, self.policy_type.offloads)
         self.n_offloaded = len(self.offloaded_indices)
-        if self.policy_type.speculates and 0 in self.offloaded_indices:
-            raise InfinigenError("speculation needs the previous layer: dense_layers must be at least 1")
         blocks = decoder_layers(model)
         # under tensor parallelism, the heads this rank computes (every head in one process); refuses
         # KV heads that do not divide by the ranks before a forward fails on them

@@ -159,9 +159,11 @@ def _reads_input(cache, layer: int) -> bool:
     """Whether ``layer``'s one-layer-ahead selection reads the residual stream entering the previous
     layer; if not, the residual after the previous layer's attention (``lookahead_from ==
     "attention"``, and the first ``attention_lookahead_layers`` offloaded layers, counted among the
-    offloaded ones: Gemma 3's sliding layers between them count for nothing)."""
+    offloaded ones: Gemma 3's sliding layers between them count for nothing; an offloaded layer 0, which
+    selects from its own input, neither)."""
     config = cache.config
-    earlier = bisect.bisect_left(cache.offloaded_indices, layer)  # offloaded layers before ``layer``
+    indices = cache.offloaded_indices
+    earlier = bisect.bisect_left(indices, layer) - bisect.bisect_left(indices, 1)  # offloaded in 1 .. layer-1
     return config.lookahead_from == "input" and earlier >= config.attention_lookahead_layers
 
 

@@ -4,9 +4,10 @@ gives its output and the log-sum-exp of its logits; outputs merge by those (as i
 outer loop), so the workspace is one block's, never a whole layer's KV, and never the KV repeated for
 every query head of a group.
 
-On CUDA each block runs PyTorch's memory-efficient attention kernel, which returns the log-sum-exp and
-takes the block's mask as an additive bias. Elsewhere the same in PyTorch (``block_attention``): the CPU
-path, and the tests' reference.
+On CUDA each block runs PyTorch's flash attention kernel where every key of the block is allowed (the
+common case: no padding), else its memory-efficient kernel, which takes the block's mask as an additive
+bias; both return the log-sum-exp. Elsewhere the same in PyTorch (``block_attention``): the CPU path, and
+the tests' reference.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ def _efficient(query, keys, values, allowed, scale, causal) -> tuple[torch.Tenso
     group = heads // kv_heads
     keys = keys.repeat_interleave(group, dim=1) if group > 1 else keys  # one block's: bounded
     values = values.repeat_interleave(group, dim=1) if group > 1 else values
+    if allowed is None and _flash_suits(query):  # about twice the efficient kernel's speed on an H100 / H200
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, keys, values, 0.0, causal, False, scale=scale
+        )[:2]
+        return out.float(), lse.float()
     bias = None
     if allowed is not None:  # additive, its rows padded to the kernel's alignment (the padding keys masked)
         padded = -(-n // ALIGN) * ALIGN
@@ -74,6 +80,19 @@ def _efficient(query, keys, values, allowed, scale, causal) -> tuple[torch.Tenso
         lse = lse.masked_fill(~allowed.any(dim=-1), -math.inf)
     out = torch.where(torch.isfinite(lse)[..., None], out.float(), 0.0)  # a query that reads no key: 0
     return out, lse
+
+
+def _flash_suits(query: torch.Tensor) -> bool:
+    """Whether PyTorch's flash kernel takes this query: 16-bit, a head size it was built for, an Ampere or
+    later GPU, and the backend not switched off (``torch.backends.cuda.enable_flash_sdp``)."""
+    head_dim = query.shape[-1]
+    return (
+        query.dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and torch.backends.cuda.flash_sdp_enabled()
+        and torch.cuda.get_device_capability(query.device) >= (8, 0)
+    )
 
 
 def merged_attention(query: torch.Tensor, blocks: Iterable[Block], scale: float) -> torch.Tensor:

@@ -65,6 +65,27 @@ def retire(blocks: list[torch.Tensor], device: torch.device) -> None:
         _retired.extend((device, as_bytes(block)) for block in blocks)
 
 
+def release_retired(device: torch.device) -> int:
+    """Free the retired blocks of ``device`` now rather than at the next plan: before other work needs
+    the host's memory (a baseline of a benchmark, say). Returns the bytes freed."""
+    device = _indexed(device)
+    with _lock:
+        mine = [block for where, block in _retired if where == device]
+        _retired[:] = [(where, block) for where, block in _retired if where != device]
+    if mine and device.type == "cuda":
+        torch.cuda.synchronize(device)  # no queued work may still read them
+    for block in mine:
+        _free(block)
+    return sum(block.numel() for block in mine)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N`` (the current device): blocks are kept by the device they serve."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _retire_unused(spare: dict[int, list[torch.Tensor]], planned: dict[int, deque[Future]], device) -> None:
     """A dropped ``HostBlocks``' spare blocks and its planned ones never taken (a prefill that raised)."""
     retire([block for blocks in spare.values() for block in blocks], device)
@@ -196,9 +217,7 @@ class HostBlocks:
     """Where one cache's pool blocks come from (a block: ``nbytes`` of host memory, pinned on CUDA)."""
 
     def __init__(self, device: torch.device) -> None:
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = device = _indexed(device)
         self.planned: dict[int, deque[Future]] = defaultdict(deque)  # by size, in the order planned
         self.spare: dict[int, list[torch.Tensor]] = defaultdict(list)  # blocks kept for reuse
         weakref.finalize(self, _retire_unused, self.spare, self.planned, device)  # when the cache goes

@@ -8,9 +8,11 @@ needs, each step stated (``MemoryPlan.shed``):
 
 - decoding: rows of earlier steps (``resident_extra``: as asked, then 1, then 0), then row reuse itself,
   where reuse is automatic;
-- the prefill: its chunk, 4,096 tokens for a one-shot prefill, then halved down to 512;
-- only where neither suffices, dense layers, down to the fewest the policy allows (1 where it
-  speculates, else 0), each time with the most of the above that then fits.
+- the prefill: its chunk, 4,096 tokens for a one-shot prefill, then halved down to 512 (the earlier
+  chunks' KV then read in blocks of at most the chunk: ``prefill_block_tokens``);
+- only where neither suffices, dense layers, down to 0 (a speculating policy then selects layer 0 from
+  its own input, fetching without overlap: the paper keeps it dense for accuracy), each time with the
+  most of the above that then fits.
 
 Peaks: parts held through the run (``run``) add up; what the prefill needs (``prefill``: a chunk's
 workspace) and what decoding needs (``decode``: fetched or resident rows, a step's workspace) never
@@ -244,11 +246,14 @@ def _candidates(config: RuntimeConfig, policy, work: Workload, auto_reuse: bool,
     while (chunk := CHUNK if chunk is None or chunk > CHUNK else chunk // 2) >= SMALLEST_CHUNK:
         if chunk < work.chunk:
             chunks.append(chunk)
-    fewest = 1 if policy.speculates else 0
-    for dense in range(config.dense_layers, fewest - 1, -1):
+    asked_blocks = config.prefill_block_tokens
+    for dense in range(config.dense_layers, -1, -1):
         for settings, reused in decoding:
             for chunk in chunks:
-                yield replace(settings, dense_layers=dense), reused, replace(work, prefill_chunk=chunk)
+                # a shed chunk reads the earlier chunks' KV in blocks no larger than itself
+                blocks = asked_blocks if chunk == work.prefill_chunk else min(asked_blocks, chunk)
+                tried = replace(settings, dense_layers=dense, prefill_block_tokens=blocks)
+                yield tried, reused, replace(work, prefill_chunk=chunk)
 
 
 def _shed_steps(asked, settings, reused_asked: bool, reused: bool, work: Workload, workload: Workload):
