@@ -23,6 +23,16 @@ def generate(
     prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file.")] = None,
     batch_file: Annotated[Path | None, typer.Option(help="One prompt per line, decoded as one batch.")] = None,
+    input: Annotated[
+        Path | None,
+        typer.Option(
+            "--input",
+            help='A batch job: JSON lines {"id", "prompt" | "messages", "max_new_tokens"?}, in batches the memory '
+            "plan forms; results appended to --output as each batch ends (a rerun continues).",
+        ),
+    ] = None,
+    output: Annotated[Path | None, typer.Option(help="With --input: the results, JSON lines.")] = None,
+    max_batch: Annotated[int, typer.Option(help="With --input: the most requests a batch takes.")] = 64,
     chat: Annotated[bool, typer.Option(help="Wrap prompts in the tokenizer's chat template.")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sample at this temperature.")] = 0.0,
@@ -41,7 +51,8 @@ def generate(
     Examples:\n
       infinigen generate --artifact skewed/ --prompt "The old house on the corner"\n
       infinigen generate opt-6.7b --artifact me/opt67-infinigen --prompt-file long.txt --budget 0.1\n
-      infinigen generate --artifact skewed/ --batch-file prompts.txt --policy full --json
+      infinigen generate --artifact skewed/ --batch-file prompts.txt --policy full --json\n
+      infinigen generate --artifact skewed/ --input requests.jsonl --output results.jsonl
     """
     import torch
 
@@ -51,13 +62,30 @@ def generate(
     from infinigen.runtime.memory import plan as memory
     from infinigen.runtime.text import Sampling, generate_text
 
-    prompts = _prompts(prompt, prompt_file, batch_file)
+    if input is not None and (prompt or prompt_file or batch_file or chat):
+        raise InfinigenError("--input takes no --prompt, --prompt-file, --batch-file or --chat (chats: messages)")
+    prompts = _prompts(prompt, prompt_file, batch_file) if input is None else []
     config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
     sampling = Sampling(temperature, top_p, top_k, seed)
-    if max_new_tokens < 1:
-        raise InfinigenError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    for name, value in (("--max-new-tokens", max_new_tokens), ("--max-batch", max_batch)):
+        if value < 1:
+            raise InfinigenError(f"{name} must be at least 1, got {value}")
+    if input is not None:
+        from infinigen.cli.jobs import job_requests
+
+        requests, bad = job_requests(input, output)  # the files refused before anything loads
     if device is None and not torch.cuda.is_available():
         err_console.print("no CUDA device: running on the CPU (slowly)")
+    if input is not None:
+        from infinigen.batch import Job
+        from infinigen.cli.jobs import batch_job
+
+        loaded = load_model(model, device=device, dtype=dtype)
+        checked = open_artifact(artifact, loaded.model) if artifact is not None else None
+        settings = dict(max_new_tokens=max_new_tokens, sampling=sampling, prefill_chunk=prefill_chunk or None)
+        job = Job(loaded.model, loaded.tokenizer, checked, vars(config), max_batch=max_batch, **settings)
+        batch_job(job, requests, bad, input, output, as_json)
+        return
 
     planned: list[memory.MemoryPlan] = []
 

@@ -62,13 +62,15 @@ def print_pairs(title: str, pairs: dict) -> None:
     console.print(table)
 
 
-def progress(disable: bool) -> Progress:
-    """A progress bar on stderr (off with --json, whose callers stream rows instead)."""
+def progress(disable: bool, *extra) -> Progress:
+    """A progress bar on stderr (off with --json, whose callers stream rows instead), with ``extra``
+    columns after the elapsed time."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        *extra,
         console=err_console,
         disable=disable,
         transient=False,

@@ -75,12 +75,40 @@ def generate_text(
 ) -> tuple[list[str], dict]:
     """Decode ``prompts`` as one batch (left-padded) through ``cache``: the new texts and the run's
     statistics. ``stream`` prints the tokens of a single prompt as they come."""
-    if max_new_tokens < 1:
-        raise InfinigenError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if not prompts or not all(p.strip() for p in prompts):
         raise InfinigenError("the prompt is empty")
+    new, stats = generate_ids(
+        model,
+        tokenizer,
+        tokenizer(prompts)["input_ids"],  # the tokenizer left as it was: padding is ours
+        cache,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        prefill_chunk=prefill_chunk,
+        stream=stream,
+    )
+    return tokenizer.batch_decode(new, skip_special_tokens=True), stats
+
+
+def generate_ids(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    cache: InfinigenCache,
+    *,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    prefill_chunk: int = 4096,
+    stream: bool = False,
+) -> tuple[torch.Tensor, dict]:
+    """``generate_text`` on token ids: the new tokens (B, n <= max_new_tokens; a row that ended early is
+    padded after its end of sequence) and the run's statistics."""
+    if max_new_tokens < 1:
+        raise InfinigenError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not prompts or not all(prompts):
+        raise InfinigenError("the prompt is empty")
     pad = pad_token_id(tokenizer)
-    inputs = left_padded(tokenizer(prompts)["input_ids"], pad, model.device)  # the tokenizer left as it was
+    inputs = left_padded(prompts, pad, model.device)
     prompt_len = inputs["input_ids"].shape[1]
     limit = model.config.max_position_embeddings
     if prompt_len + max_new_tokens > limit:
@@ -114,8 +142,8 @@ def generate_text(
             )
     except torch.OutOfMemoryError:
         raise InfinigenError(out_of_memory(model, cache, len(prompts), prompt_len + max_new_tokens)) from None
-    texts = tokenizer.batch_decode(output[:, prompt_len:], skip_special_tokens=True)
-    return texts, run_stats(cache, timer, len(prompts), prompt_len, output.shape[1] - prompt_len, model)
+    new = output[:, prompt_len:]
+    return new, run_stats(cache, timer, len(prompts), prompt_len, new.shape[1], model)
 
 
 def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -1,0 +1,230 @@
+"""A batch job on one device: requests grouped into batches by the memory plan, each batch decoded through
+a fresh cache and its results appended to the output before the next starts.
+
+Batches are formed over every request of the input, done or not, in the same way every time (longest
+prompt first; a batch grows while the plan admits one more row, up to ``max_batch``), and a rerun runs
+only the batches that still have a request without a result, writing those results alone. So a job
+stopped at any point and rerun gives exactly the rows of an uninterrupted run: each request is decoded
+in the same batch, padded the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from infinigen.artifacts import Artifact
+from infinigen.batch.records import BadLine, Request, append_rows, read_done
+from infinigen.errors import InfinigenError
+from infinigen.runtime import cache_for
+from infinigen.runtime.config import config_from
+from infinigen.runtime.memory import plan as memory
+from infinigen.runtime.text import Sampling, generate_ids
+
+
+@dataclass
+class Job:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    artifact: Artifact | None
+    settings: dict = field(default_factory=dict)  # ``RuntimeConfig`` fields
+    max_new_tokens: int = 64  # where a request gives none
+    sampling: Sampling = Sampling()
+    prefill_chunk: int | None = 4096  # None: a prompt in one forward
+    max_batch: int = 64  # the most rows a batch takes, whatever the plan admits
+
+    def __post_init__(self) -> None:
+        self.config = config_from(self.settings)
+        if self.max_batch < 1 or self.max_new_tokens < 1:
+            raise InfinigenError("the batch size and max_new_tokens must be at least 1")
+        self.budget = memory.budget_bytes(self.config.gpu_memory_gb, self.model.device)
+        self.context = self.model.config.max_position_embeddings
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request: Request
+    ids: list[int]
+    new_tokens: int
+
+
+@dataclass
+class Progress:
+    """What a job has done so far (``run_job``'s report, updated after every batch)."""
+
+    pending: int  # requests without a result when the job started
+    done_before: int  # requests an earlier run finished
+    written: int = 0
+    errors: int = 0
+    tokens: int = 0  # generated, over the rows written
+    batches: int = 0
+    seconds: float = 0.0
+    interrupted: bool = False
+
+    def report(self) -> dict:
+        return {
+            "pending": self.pending,
+            "done_before": self.done_before,
+            "written": self.written,
+            "errors": self.errors,
+            "generated_tokens": self.tokens,
+            "batches": self.batches,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds > 0 else None,
+            "interrupted": self.interrupted,
+        }
+
+
+def run_job(
+    job: Job,
+    requests: list[Request],
+    bad: list[BadLine],
+    output: Path,
+    *,
+    on_batch: Callable[[Progress], None] = lambda progress: None,
+    stop: Callable[[], bool] = lambda: False,
+) -> Progress:
+    """Decode every request of ``requests`` without a result in ``output`` and append its row, a batch at
+    a time; ``bad`` input lines become error rows first. ``on_batch`` hears the progress after each
+    batch; ``stop()``, asked between batches, ends the job early (its results kept)."""
+    done_ids, done_lines = read_done(output)
+    prepared, refused = _prepared(job, requests)
+    errors = [b.row() for b in bad if b.line not in done_lines]
+    errors += [{"id": r.id, "error": message} for r, message in refused if r.id not in done_ids]
+    batches, unfit = form_batches(job, prepared)
+    errors += [{"id": p.request.id, "error": message} for p, message in unfit if p.request.id not in done_ids]
+    pending = sum(p.request.id not in done_ids for batch in batches for p in batch)
+    progress = Progress(pending=pending + len(errors), done_before=len(done_ids) + len(done_lines))
+    append_rows(output, errors)
+    progress.written = progress.errors = len(errors)
+    start = time.perf_counter()
+    for index, batch in enumerate(batches):
+        if not any(p.request.id not in done_ids for p in batch):
+            continue
+        if stop():
+            progress.interrupted = True
+            break
+        rows = [row for row in run_batch(job, batch, index) if row["id"] not in done_ids]
+        append_rows(output, rows)
+        progress.written += len(rows)
+        progress.errors += sum("error" in row for row in rows)
+        progress.tokens += sum(row.get("tokens", 0) for row in rows)
+        progress.batches += 1
+        progress.seconds = time.perf_counter() - start
+        on_batch(progress)
+    return progress
+
+
+def _prepared(job: Job, requests: list[Request]) -> tuple[list[Prepared], list[tuple[Request, str]]]:
+    """Each request's prompt tokens and new tokens, or why it cannot run (too long for the model, a chat
+    without the tokenizer's template)."""
+    prepared, refused = [], []
+    for request in requests:
+        new_tokens = request.max_new_tokens or job.max_new_tokens
+        try:
+            ids = prompt_ids(job.tokenizer, request)
+        except InfinigenError as exc:
+            refused.append((request, str(exc)))
+            continue
+        if not ids:
+            refused.append((request, "the prompt has no tokens"))
+        elif len(ids) + new_tokens > job.context:
+            total = f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens})"
+            refused.append((request, f"{total} exceeds the model's context of {job.context} tokens"))
+        else:
+            prepared.append(Prepared(request, ids, new_tokens))
+    return prepared, refused
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int]:
+    """The tokens the model reads: the prompt with the tokenizer's usual special tokens, or the messages
+    in its chat template with the assistant's turn opened."""
+    if request.prompt is not None:
+        return tokenizer(request.prompt)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise InfinigenError("messages need a tokenizer with a chat template; this one has none (use prompt)")
+    text = tokenizer.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def batch_plan(job: Job, batch: list[Prepared]) -> memory.MemoryPlan:
+    """The memory plan of a batch: its rows, padded to its longest prompt, for its most new tokens."""
+    longest = max(len(p.ids) for p in batch)
+    work = memory.Workload(len(batch), longest, max(p.new_tokens for p in batch), job.prefill_chunk)
+    return memory.plan_for(job.model, job.config, work, job.budget)
+
+
+def form_batches(job: Job, prepared: list[Prepared]) -> tuple[list[list[Prepared]], list[tuple[Prepared, str]]]:
+    """The batches, longest prompts first (little padding: neighbours have about the same length), each
+    as large as the plan admits up to ``max_batch``; a request that does not fit alone, with why."""
+    ordered = sorted(prepared, key=lambda p: (-len(p.ids), p.request.line))
+    batches: list[list[Prepared]] = []
+    unfit: list[tuple[Prepared, str]] = []
+    for item in ordered:
+        current = batches[-1] if batches else None
+        if current is not None and len(current) < job.max_batch and batch_plan(job, [*current, item]).fits:
+            current.append(item)
+            continue
+        alone = batch_plan(job, [item])
+        if alone.fits:
+            batches.append([item])
+        else:
+            unfit.append((item, "does not fit: " + memory.refusal(alone)))
+    return batches, unfit
+
+
+def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
+    """One batch through a fresh cache with its plan's settings: a row per request (an error row each
+    where the batch failed)."""
+    found = batch_plan(job, batch)
+    sampling = job.sampling
+    if sampling.seed is not None:  # each batch its own stream: a rerun samples a batch as the first run did
+        sampling = replace(sampling, seed=sampling.seed + index)
+    try:
+        with cache_for(job.model, job.artifact, **memory.cache_settings(found)) as cache:
+            new, stats = generate_ids(
+                job.model,
+                job.tokenizer,
+                [p.ids for p in batch],
+                cache,
+                max_new_tokens=max(p.new_tokens for p in batch),
+                sampling=sampling,
+                prefill_chunk=found.workload.prefill_chunk or 0,
+            )
+    except InfinigenError as exc:
+        return [{"id": p.request.id, "error": str(exc)} for p in batch]
+    shared = {
+        "batch": len(batch),
+        "batch_prefill_tok_s": stats["prefill_tok_s"],
+        "batch_decode_tok_s": stats["decode_tok_s"],
+        "fraction_fetched": stats["fraction_fetched"],
+    }
+    ends = end_tokens(job.model, job.tokenizer)
+    rows = []
+    for p, tokens in zip(batch, new.tolist(), strict=True):
+        tokens = tokens[: p.new_tokens]
+        stop = next((i for i, t in enumerate(tokens) if t in ends), None)
+        kept = tokens if stop is None else tokens[: stop + 1]
+        rows.append(
+            {
+                "id": p.request.id,
+                "text": job.tokenizer.decode(kept, skip_special_tokens=True),
+                "tokens": len(kept),
+                "finish_reason": "length" if stop is None else "stop",
+                "stats": {"prompt_tokens": len(p.ids)} | shared,
+            }
+        )
+    return rows
+
+
+def end_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids that end a sequence: the generation config's and the tokenizer's end of sequence."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ends = set(configured if isinstance(configured, list) else [configured])
+    ends.add(tokenizer.eos_token_id)
+    ends.discard(None)
+    return ends

@@ -1,0 +1,222 @@
+"""Batch jobs (``infinigen.batch``, ``infinigen generate --input``): requests parsed line by line (a bad
+line is an error row, never the job's end), batches by the memory plan, results appended a batch at a
+time, and a job stopped anywhere (Ctrl-C, ``kill -9``) continued to exactly an uninterrupted run's rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import invoke, tiny_model
+
+from infinigen.batch import Job, read_requests, run_job
+from infinigen.batch.records import append_rows, read_done
+from infinigen.errors import InfinigenError
+
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "from", "its", "home", "to", "big")
+
+
+def write_requests(path: Path, count: int, seed: int = 0, longest: int = 80) -> list[dict]:
+    """``count`` prompts of mixed lengths; every fifth asks for 3 new tokens."""
+    rng = random.Random(seed)
+    records = [
+        {"id": f"r{i}", "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, longest)))}
+        | ({"max_new_tokens": 3} if i % 5 == 0 else {})
+        for i in range(count)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def results(path: Path) -> dict:
+    """Each id's row without its timing statistics (they differ from run to run)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    ids = [row["id"] if row["id"] is not None else ("line", row["line"]) for row in rows]
+    assert len(ids) == len(set(ids)), "every id once"
+    return {key: {k: v for k, v in row.items() if k != "stats"} for key, row in zip(ids, rows, strict=True)}
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"prompt": "hi"}', "needs an id"),
+        ('{"id": true, "prompt": "hi"}', "needs an id"),
+        ('{"id": 1, "prompt": "hi", "temperature": 1}', "unknown field 'temperature'"),
+        ('{"id": 1, "prompt": "hi", "messages": []}', "exactly one of prompt and messages"),
+        ('{"id": 1}', "exactly one of prompt and messages"),
+        ('{"id": 1, "prompt": "  "}', "the prompt is empty"),
+        ('{"id": 1, "prompt": 3}', "not a string"),
+        ('{"id": 1, "messages": [{"role": "user"}]}', "messages must be"),
+        ('{"id": 1, "messages": []}', "messages must be"),
+        ('{"id": 1, "prompt": "hi", "max_new_tokens": 0}', "max_new_tokens must be"),
+        ('{"id": 1, "prompt": "hi", "max_new_tokens": "8"}', "max_new_tokens must be"),
+    ],
+)
+def test_a_bad_line_is_an_error_row_of_its_own(tmp_path, line, message):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "ok", "prompt": "hi", "max_new_tokens": 2}\n\n' + line + "\n")
+    requests, bad = read_requests(path)
+    assert [(r.id, r.prompt, r.max_new_tokens) for r in requests] == [("ok", "hi", 2)]
+    assert len(bad) == 1 and bad[0].line == 3 and message in bad[0].error
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "id 1 on lines 1 and 2: ids must be unique"),
+        ('{"id": "a", "prompt": "a"}\n{"id": "a", "prompt": ""}\n', "id 'a' on lines 1 and 2"),
+        ("\n\n", "holds no request"),
+    ],
+)
+def test_files_refused_before_anything_runs(tmp_path, content, message):
+    path = tmp_path / "in.jsonl"
+    path.write_text(content)
+    with pytest.raises(InfinigenError, match=message):
+        read_requests(path)
+    with pytest.raises(InfinigenError, match="cannot read"):
+        read_requests(tmp_path / "missing.jsonl")
+
+
+def test_output_cut_back_to_its_last_whole_line(tmp_path):
+    """A run killed while writing leaves a part of a line: the next run cuts it (that row is redone)."""
+    path = tmp_path / "out.jsonl"
+    append_rows(path, [{"id": "a", "text": "x"}, {"id": None, "line": 4, "error": "not JSON"}])
+    with open(path, "a") as file:
+        file.write('{"id": "b", "te')
+    assert read_done(path) == ({"a"}, {4})
+    assert path.read_text().count("\n") == 2 and path.read_text().endswith("\n")
+    path.write_text("something else\n")
+    with pytest.raises(InfinigenError, match="not a result of infinigen"):
+        read_done(path)
+
+
+@pytest.fixture
+def job(tokenizer):
+    return Job(tiny_model("llama"), tokenizer, None, {"policy": "full"}, max_new_tokens=6, max_batch=4)
+
+
+def test_a_job_writes_every_request_once_as_decoded_alone(job, tmp_path):
+    """Every request gets one row; greedy rows equal the request decoded alone (padding changes nothing);
+    a prompt too long for the model and a bad line are error rows and the job goes on; a rerun has
+    nothing left to do."""
+    records = write_requests(tmp_path / "in.jsonl", 10)
+    with open(tmp_path / "in.jsonl", "a") as file:
+        file.write(json.dumps({"id": "long", "prompt": "the " * 600}) + "\nnot json\n")
+    requests, bad = read_requests(tmp_path / "in.jsonl")
+    batches = []
+    report = run_job(job, requests, bad, tmp_path / "out.jsonl", on_batch=lambda p: batches.append(p.written))
+    got = results(tmp_path / "out.jsonl")
+    assert report.written == len(got) == 12 and report.errors == 2 and len(batches) == report.batches == 3
+    assert "exceeds the model's context of 512 tokens" in got["long"]["error"]
+    assert "not JSON" in got[("line", 12)]["error"]
+    for record in records[:4]:
+        alone = tmp_path / f"alone-{record['id']}.jsonl"
+        alone_requests = [r for r in requests if r.id == record["id"]]
+        run_job(job, alone_requests, [], alone)
+        assert results(alone)[record["id"]] == got[record["id"]]
+        row, limit = got[record["id"]], record.get("max_new_tokens", 6)
+        assert row["tokens"] == limit if row["finish_reason"] == "length" else row["tokens"] <= limit
+    again = run_job(job, requests, bad, tmp_path / "out.jsonl")
+    assert again.written == 0 and again.done_before == 12
+
+
+def test_batches_follow_the_memory_plan(job, tmp_path):
+    """Longest prompts first; a batch grows while the plan admits one more row: under a budget that
+    admits fewer rows, more batches of fewer rows."""
+    from infinigen.batch.runner import _prepared, batch_plan, form_batches
+    from infinigen.runtime.memory.plan import CONTEXT_BYTES
+
+    write_requests(tmp_path / "in.jsonl", 12)
+    requests, _ = read_requests(tmp_path / "in.jsonl")
+    prepared, _ = _prepared(job, requests)
+    batches, unfit = form_batches(job, prepared)
+    lengths = [len(p.ids) for batch in batches for p in batch]
+    assert lengths == sorted(lengths, reverse=True) and [len(b) for b in batches] == [4, 4, 4] and not unfit
+    two = batch_plan(job, batches[0][:2]).needed_gpu  # a budget for two of the longest rows
+    small = Job(job.model, job.tokenizer, None, {"policy": "full", "gpu_memory_gb": (two + CONTEXT_BYTES) / 1e9})
+    tight, unfit = form_batches(small, prepared)
+    assert len(tight[0]) == 2 and all(batch_plan(small, b).fits for b in tight) and not unfit
+    assert [p for b in tight for p in b] == [p for b in batches for p in b]  # the same order, cut finer
+    none_fit, unfit = form_batches(Job(job.model, job.tokenizer, None, {"gpu_memory_gb": 0.5}), prepared)
+    assert not none_fit and len(unfit) == 12 and "the weights alone do not fit" in unfit[0][1]
+
+
+def test_a_job_stopped_between_batches_continues_to_the_same_rows(job, tmp_path):
+    write_requests(tmp_path / "in.jsonl", 14)
+    requests, bad = read_requests(tmp_path / "in.jsonl")
+    run_job(job, requests, bad, tmp_path / "whole.jsonl")
+    calls = []
+    first = run_job(job, requests, bad, tmp_path / "out.jsonl", stop=lambda: calls.append(1) or len(calls) > 2)
+    assert first.interrupted and first.batches == 2 and first.written == 8
+    second = run_job(job, requests, bad, tmp_path / "out.jsonl")
+    assert not second.interrupted and second.done_before == 8 and second.written == 6
+    assert results(tmp_path / "out.jsonl") == results(tmp_path / "whole.jsonl")
+
+
+def job_command(folder: Path, tmp_path: Path, output: str) -> list[str]:
+    return [
+        sys.executable, "-m", "infinigen", "generate", str(folder), "--policy", "full",
+        "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / output),
+        "--max-new-tokens", "6", "--max-batch", "4", "--device", "cpu",
+    ]  # fmt: skip
+
+
+def started(command: list[str], output: Path, lines: int) -> subprocess.Popen:
+    """The command running, once ``output`` has at least ``lines`` lines."""
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (output.exists() and output.read_text().count("\n") >= lines):
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return process
+
+
+def test_kill_9_at_a_random_batch_and_a_rerun_give_the_uninterrupted_rows(checkpoint, tmp_path):
+    folder = checkpoint("llama")
+    write_requests(tmp_path / "in.jsonl", 60)
+    subprocess.run(job_command(folder, tmp_path, "whole.jsonl"), check=True, capture_output=True)
+    process = started(job_command(folder, tmp_path, "out.jsonl"), tmp_path / "out.jsonl", random.randint(1, 50))
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed = (tmp_path / "out.jsonl").read_text().count("\n")
+    assert 0 < killed < 60
+    subprocess.run(job_command(folder, tmp_path, "out.jsonl"), check=True, capture_output=True)
+    assert results(tmp_path / "out.jsonl") == results(tmp_path / "whole.jsonl")
+
+
+def test_ctrl_c_ends_after_the_current_batch(checkpoint, tmp_path):
+    folder = checkpoint("llama")
+    write_requests(tmp_path / "in.jsonl", 60)
+    process = started(job_command(folder, tmp_path, "out.jsonl"), tmp_path / "out.jsonl", 4)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    written = (tmp_path / "out.jsonl").read_text().count("\n")
+    assert process.returncode == 130 and "the same command continues" in stderr
+    assert written % 4 == 0 and written < 60  # whole batches only
+    subprocess.run(job_command(folder, tmp_path, "out.jsonl"), check=True, capture_output=True)
+    assert len(results(tmp_path / "out.jsonl")) == 60
+
+
+def test_cli_refusals_are_one_line(checkpoint, tmp_path):
+    folder = checkpoint("llama")
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n')
+    cases = [
+        (["--input", str(tmp_path / "in.jsonl")], "--input needs --output"),
+        (["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "in.jsonl")], "must not be the --input"),
+        (["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o"), "--prompt", "x"], "takes no"),
+        (["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o")], "ids must be unique"),
+    ]
+    for args, message in cases:
+        result = invoke("generate", str(folder), *args)
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
