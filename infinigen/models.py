@@ -234,6 +234,14 @@ def model_config(name: str | None = None) -> PretrainedConfig:
     return config
 
 
+def model_tokenizer(name: str | None = None) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    """MODEL's config and tokenizer, no weights: what a batch job's planner reads (``infinigen.batch``)."""
+    target, kwargs, source = locate(name)
+    config = model_config(name)
+    with _load_errors(source):
+        return config, _tokenizer(target, kwargs, config)
+
+
 # called with the model's config, its tokenizer, the dtype and the device the weights will load in
 BeforeWeights = Callable[[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype, torch.device], None]
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,7 @@ def test_output_cut_back_to_its_last_whole_line(tmp_path):
 
 @pytest.fixture
 def job(tokenizer):
-    return Job(tiny_model("llama"), tokenizer, None, {"policy": "full"}, max_new_tokens=6, max_batch=4)
+    return Job.of(tiny_model("llama"), tokenizer, None, {"policy": "full"}, max_new_tokens=6, max_batch=4)
 
 
 def test_a_job_writes_every_request_once_as_decoded_alone(job, tmp_path):
@@ -133,20 +134,20 @@ def test_batches_follow_the_memory_plan(job, tmp_path):
     """Longest prompts first; a batch grows while the plan admits one more row: under a budget that
     admits fewer rows, more batches of fewer rows."""
     from infinigen.batch.runner import _prepared, batch_plan, form_batches
-    from infinigen.runtime.memory.plan import CONTEXT_BYTES
 
     write_requests(tmp_path / "in.jsonl", 12)
     requests, _ = read_requests(tmp_path / "in.jsonl")
-    prepared, _ = _prepared(job, requests)
-    batches, unfit = form_batches(job, prepared)
+    prepared, _ = _prepared(job.planner, requests)
+    batches, unfit = form_batches(job.planner, prepared)
     lengths = [len(p.ids) for batch in batches for p in batch]
     assert lengths == sorted(lengths, reverse=True) and [len(b) for b in batches] == [4, 4, 4] and not unfit
-    two = batch_plan(job, batches[0][:2]).needed_gpu  # a budget for two of the longest rows
-    small = Job(job.model, job.tokenizer, None, {"policy": "full", "gpu_memory_gb": (two + CONTEXT_BYTES) / 1e9})
+    two = batch_plan(job.planner, batches[0][:2]).needed_gpu  # a budget for two of the longest rows
+    small = replace(job.planner, budget=two)
     tight, unfit = form_batches(small, prepared)
     assert len(tight[0]) == 2 and all(batch_plan(small, b).fits for b in tight) and not unfit
     assert [p for b in tight for p in b] == [p for b in batches for p in b]  # the same order, cut finer
-    none_fit, unfit = form_batches(Job(job.model, job.tokenizer, None, {"gpu_memory_gb": 0.5}), prepared)
+    half_gb = Job.of(job.model, job.planner.tokenizer, None, {"gpu_memory_gb": 0.5})
+    none_fit, unfit = form_batches(half_gb.planner, prepared)
     assert not none_fit and len(unfit) == 12 and "the weights alone do not fit" in unfit[0][1]
 
 
@@ -220,3 +221,31 @@ def test_cli_refusals_are_one_line(checkpoint, tmp_path):
     for args, message in cases:
         result = invoke("generate", str(folder), *args)
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_ray_job_writes_one_process_rows_and_continues(checkpoint, tmp_path):
+    """On a local Ray cluster of two CPU workers (each loading the model once), the driver forms the
+    batches from the config and tokenizer alone: the rows equal one process's, and a job stopped after
+    its first batch continues to them."""
+    pytest.importorskip("ray.data")
+    from infinigen.batch.distributed import Cluster, Loading, driver_planner, run_on_ray
+    from infinigen.models import load_model
+    from infinigen.runtime.text import Sampling
+
+    folder = checkpoint("llama")
+    write_requests(tmp_path / "in.jsonl", 24)
+    with open(tmp_path / "in.jsonl", "a") as file:
+        file.write("not json\n")
+    requests, bad = read_requests(tmp_path / "in.jsonl")
+    options = {"max_new_tokens": 6, "max_batch": 4}
+    loaded = load_model(str(folder), device="cpu")
+    one = Job.of(loaded.model, loaded.tokenizer, None, {"policy": "full"}, **options)
+    run_job(one, requests, bad, tmp_path / "one.jsonl")
+    loading = Loading(str(folder), None, "cpu", None)
+    planner = driver_planner(loading, {"policy": "full"}, **options)
+    cluster = Cluster(workers=2)
+    first = run_on_ray(cluster, loading, planner, Sampling(), requests, bad, tmp_path / "ray.jsonl", stop=lambda: True)
+    assert first.interrupted and first.batches == 1 and first.written == 1 + 4  # the bad line, one batch
+    second = run_on_ray(cluster, loading, planner, Sampling(), requests, bad, tmp_path / "ray.jsonl")
+    assert not second.interrupted and second.done_before == 5 and second.written == 20
+    assert results(tmp_path / "ray.jsonl") == results(tmp_path / "one.jsonl")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
@@ -27,13 +28,16 @@ from infinigen.runtime.text import Sampling, generate_ids
 
 
 @dataclass
-class Job:
-    model: PreTrainedModel
+class Planner:
+    """What forms a job's batches, from the model's config alone (the same on a Ray driver without the
+    weights as in the process that decodes): the tokenizer, the model's size, the settings and budget."""
+
     tokenizer: PreTrainedTokenizerBase
-    artifact: Artifact | None
+    model: memory.Model
+    dtype: torch.dtype
     settings: dict = field(default_factory=dict)  # ``RuntimeConfig`` fields
+    budget: int | None = None  # GPU bytes (``memory.budget_bytes``); None: no limit
     max_new_tokens: int = 64  # where a request gives none
-    sampling: Sampling = Sampling()
     prefill_chunk: int | None = 4096  # None: a prompt in one forward
     max_batch: int = 64  # the most rows a batch takes, whatever the plan admits
 
@@ -41,8 +45,28 @@ class Job:
         self.config = config_from(self.settings)
         if self.max_batch < 1 or self.max_new_tokens < 1:
             raise InfinigenError("the batch size and max_new_tokens must be at least 1")
-        self.budget = memory.budget_bytes(self.config.gpu_memory_gb, self.model.device)
         self.context = self.model.config.max_position_embeddings
+
+
+@dataclass
+class Job:
+    """A planner and what decodes: the model, its artifact, how tokens are chosen."""
+
+    model: PreTrainedModel
+    planner: Planner
+    artifact: Artifact | None = None
+    sampling: Sampling = Sampling()
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, tokenizer, artifact: Artifact | None, settings: dict, **options) -> Job:
+        """The job of a loaded model: its plan's budget (``budget``, else from ``gpu_memory_gb`` or the device's
+        free memory) and ``Planner``'s other options."""
+        sampling = options.pop("sampling", Sampling())
+        param = next(model.parameters())
+        if "budget" not in options:  # a Ray worker is given its driver's
+            options["budget"] = memory.budget_bytes(config_from(settings).gpu_memory_gb, param.device)
+        planner = Planner(tokenizer, memory.model_of(model.config, param.dtype), param.dtype, settings, **options)
+        return cls(model, planner, artifact, sampling)
 
 
 @dataclass(frozen=True)
@@ -79,6 +103,42 @@ class Progress:
         }
 
 
+@dataclass
+class Schedule:
+    """What is left of a job: error rows to write, and the batches (by index) with a request unwritten."""
+
+    errors: list[dict]
+    batches: list[tuple[int, list[Prepared]]]
+    done_ids: set
+    progress: Progress
+
+
+def schedule(planner: Planner, requests: list[Request], bad: list[BadLine], output: Path) -> Schedule:
+    """The job's batches, formed over every request (done or not: the same batches every run), those with
+    a request ``output`` lacks, and the error rows it lacks (``bad`` lines, requests that cannot run)."""
+    done_ids, done_lines = read_done(output)
+    prepared, refused = _prepared(planner, requests)
+    errors = [b.row() for b in bad if b.line not in done_lines]
+    errors += [{"id": r.id, "error": message} for r, message in refused if r.id not in done_ids]
+    batches, unfit = form_batches(planner, prepared)
+    errors += [{"id": p.request.id, "error": message} for p, message in unfit if p.request.id not in done_ids]
+    left = [(i, batch) for i, batch in enumerate(batches) if any(p.request.id not in done_ids for p in batch)]
+    pending = sum(p.request.id not in done_ids for _, batch in left for p in batch)
+    progress = Progress(pending=pending + len(errors), done_before=len(done_ids) + len(done_lines))
+    return Schedule(errors, left, done_ids, progress)
+
+
+def record(output: Path, rows: list[dict], progress: Progress, done_ids: set, start: float) -> None:
+    """Append a batch's rows (those not written before) and count them."""
+    rows = [row for row in rows if row["id"] not in done_ids]
+    append_rows(output, rows)
+    progress.written += len(rows)
+    progress.errors += sum("error" in row for row in rows)
+    progress.tokens += sum(row.get("tokens", 0) for row in rows)
+    progress.batches += 1
+    progress.seconds = time.perf_counter() - start
+
+
 def run_job(
     job: Job,
     requests: list[Request],
@@ -91,50 +151,36 @@ def run_job(
     """Decode every request of ``requests`` without a result in ``output`` and append its row, a batch at
     a time; ``bad`` input lines become error rows first. ``on_batch`` hears the progress after each
     batch; ``stop()``, asked between batches, ends the job early (its results kept)."""
-    done_ids, done_lines = read_done(output)
-    prepared, refused = _prepared(job, requests)
-    errors = [b.row() for b in bad if b.line not in done_lines]
-    errors += [{"id": r.id, "error": message} for r, message in refused if r.id not in done_ids]
-    batches, unfit = form_batches(job, prepared)
-    errors += [{"id": p.request.id, "error": message} for p, message in unfit if p.request.id not in done_ids]
-    pending = sum(p.request.id not in done_ids for batch in batches for p in batch)
-    progress = Progress(pending=pending + len(errors), done_before=len(done_ids) + len(done_lines))
-    append_rows(output, errors)
-    progress.written = progress.errors = len(errors)
+    left = schedule(job.planner, requests, bad, output)
+    progress = left.progress
+    append_rows(output, left.errors)
+    progress.written = progress.errors = len(left.errors)
     start = time.perf_counter()
-    for index, batch in enumerate(batches):
-        if not any(p.request.id not in done_ids for p in batch):
-            continue
+    for index, batch in left.batches:
         if stop():
             progress.interrupted = True
             break
-        rows = [row for row in run_batch(job, batch, index) if row["id"] not in done_ids]
-        append_rows(output, rows)
-        progress.written += len(rows)
-        progress.errors += sum("error" in row for row in rows)
-        progress.tokens += sum(row.get("tokens", 0) for row in rows)
-        progress.batches += 1
-        progress.seconds = time.perf_counter() - start
+        record(output, run_batch(job, batch, index), progress, left.done_ids, start)
         on_batch(progress)
     return progress
 
 
-def _prepared(job: Job, requests: list[Request]) -> tuple[list[Prepared], list[tuple[Request, str]]]:
+def _prepared(planner: Planner, requests: list[Request]) -> tuple[list[Prepared], list[tuple[Request, str]]]:
     """Each request's prompt tokens and new tokens, or why it cannot run (too long for the model, a chat
     without the tokenizer's template)."""
     prepared, refused = [], []
     for request in requests:
-        new_tokens = request.max_new_tokens or job.max_new_tokens
+        new_tokens = request.max_new_tokens or planner.max_new_tokens
         try:
-            ids = prompt_ids(job.tokenizer, request)
+            ids = prompt_ids(planner.tokenizer, request)
         except InfinigenError as exc:
             refused.append((request, str(exc)))
             continue
         if not ids:
             refused.append((request, "the prompt has no tokens"))
-        elif len(ids) + new_tokens > job.context:
+        elif len(ids) + new_tokens > planner.context:
             total = f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens})"
-            refused.append((request, f"{total} exceeds the model's context of {job.context} tokens"))
+            refused.append((request, f"{total} exceeds the model's context of {planner.context} tokens"))
         else:
             prepared.append(Prepared(request, ids, new_tokens))
     return prepared, refused
@@ -151,14 +197,14 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def batch_plan(job: Job, batch: list[Prepared]) -> memory.MemoryPlan:
+def batch_plan(planner: Planner, batch: list[Prepared]) -> memory.MemoryPlan:
     """The memory plan of a batch: its rows, padded to its longest prompt, for its most new tokens."""
     longest = max(len(p.ids) for p in batch)
-    work = memory.Workload(len(batch), longest, max(p.new_tokens for p in batch), job.prefill_chunk)
-    return memory.plan_for(job.model, job.config, work, job.budget)
+    work = memory.Workload(len(batch), longest, max(p.new_tokens for p in batch), planner.prefill_chunk)
+    return memory.plan(planner.model, planner.dtype, work, planner.config, planner.budget)
 
 
-def form_batches(job: Job, prepared: list[Prepared]) -> tuple[list[list[Prepared]], list[tuple[Prepared, str]]]:
+def form_batches(planner: Planner, prepared: list[Prepared]) -> tuple[list[list[Prepared]], list[tuple[Prepared, str]]]:
     """The batches, longest prompts first (little padding: neighbours have about the same length), each
     as large as the plan admits up to ``max_batch``; a request that does not fit alone, with why."""
     ordered = sorted(prepared, key=lambda p: (-len(p.ids), p.request.line))
@@ -166,10 +212,10 @@ def form_batches(job: Job, prepared: list[Prepared]) -> tuple[list[list[Prepared
     unfit: list[tuple[Prepared, str]] = []
     for item in ordered:
         current = batches[-1] if batches else None
-        if current is not None and len(current) < job.max_batch and batch_plan(job, [*current, item]).fits:
+        if current is not None and len(current) < planner.max_batch and batch_plan(planner, [*current, item]).fits:
             current.append(item)
             continue
-        alone = batch_plan(job, [item])
+        alone = batch_plan(planner, [item])
         if alone.fits:
             batches.append([item])
         else:
@@ -180,15 +226,15 @@ def form_batches(job: Job, prepared: list[Prepared]) -> tuple[list[list[Prepared
 def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
     """One batch through a fresh cache with its plan's settings: a row per request (an error row each
     where the batch failed)."""
-    found = batch_plan(job, batch)
-    sampling = job.sampling
+    found = batch_plan(job.planner, batch)
+    tokenizer, sampling = job.planner.tokenizer, job.sampling
     if sampling.seed is not None:  # each batch its own stream: a rerun samples a batch as the first run did
         sampling = replace(sampling, seed=sampling.seed + index)
     try:
         with cache_for(job.model, job.artifact, **memory.cache_settings(found)) as cache:
             new, stats = generate_ids(
                 job.model,
-                job.tokenizer,
+                tokenizer,
                 [p.ids for p in batch],
                 cache,
                 max_new_tokens=max(p.new_tokens for p in batch),
@@ -203,7 +249,7 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
         "batch_decode_tok_s": stats["decode_tok_s"],
         "fraction_fetched": stats["fraction_fetched"],
     }
-    ends = end_tokens(job.model, job.tokenizer)
+    ends = end_tokens(job.model, tokenizer)
     rows = []
     for p, tokens in zip(batch, new.tolist(), strict=True):
         tokens = tokens[: p.new_tokens]
@@ -212,7 +258,7 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
         rows.append(
             {
                 "id": p.request.id,
-                "text": job.tokenizer.decode(kept, skip_special_tokens=True),
+                "text": tokenizer.decode(kept, skip_special_tokens=True),
                 "tokens": len(kept),
                 "finish_reason": "length" if stop is None else "stop",
                 "stats": {"prompt_tokens": len(p.ids)} | shared,

@@ -33,6 +33,15 @@ def generate(
     ] = None,
     output: Annotated[Path | None, typer.Option(help="With --input: the results, JSON lines.")] = None,
     max_batch: Annotated[int, typer.Option(help="With --input: the most requests a batch takes.")] = 64,
+    ray: Annotated[
+        bool, typer.Option(help='With --input: decode on the workers of a local Ray cluster (pip install ".[ray]").')
+    ] = False,
+    ray_address: Annotated[
+        str | None, typer.Option(help="With --input: decode on the workers of this running Ray cluster.")
+    ] = None,
+    ray_workers: Annotated[
+        int, typer.Option(help="With --ray: workers (0: one per GPU of the cluster, 1 on CPUs).")
+    ] = 0,
     chat: Annotated[bool, typer.Option(help="Wrap prompts in the tokenizer's chat template.")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sample at this temperature.")] = 0.0,
@@ -52,7 +61,7 @@ def generate(
       infinigen generate --artifact skewed/ --prompt "The old house on the corner"\n
       infinigen generate opt-6.7b --artifact me/opt67-infinigen --prompt-file long.txt --budget 0.1\n
       infinigen generate --artifact skewed/ --batch-file prompts.txt --policy full --json\n
-      infinigen generate --artifact skewed/ --input requests.jsonl --output results.jsonl
+      infinigen generate --artifact skewed/ --input requests.jsonl --output results.jsonl [--ray]
     """
     import torch
 
@@ -71,22 +80,17 @@ def generate(
         if value < 1:
             raise InfinigenError(f"{name} must be at least 1, got {value}")
     if input is not None:
-        from infinigen.cli.jobs import job_requests
+        from infinigen.cli.jobs import job_requests, run_batch_job
 
-        requests, bad = job_requests(input, output)  # the files refused before anything loads
+        requests = job_requests(input, output)  # the files refused before anything loads
     if device is None and not torch.cuda.is_available():
         err_console.print("no CUDA device: running on the CPU (slowly)")
     if input is not None:
-        from infinigen.batch import Job
-        from infinigen.cli.jobs import batch_job
-
-        loaded = load_model(model, device=device, dtype=dtype)
-        checked = open_artifact(artifact, loaded.model) if artifact is not None else None
-        settings = dict(max_new_tokens=max_new_tokens, sampling=sampling, prefill_chunk=prefill_chunk or None)
-        job = Job(loaded.model, loaded.tokenizer, checked, vars(config), max_batch=max_batch, **settings)
-        batch_job(job, requests, bad, input, output, as_json)
+        options = dict(max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk or None, max_batch=max_batch)
+        loading = dict(model=model, artifact=artifact, device=device, dtype=dtype)
+        cluster = (ray_address or ("local" if ray else None), ray_workers)
+        run_batch_job(loading, vars(config), sampling, options, cluster, requests, input, output, as_json)
         return
-
     planned: list[memory.MemoryPlan] = []
 
     def plan_and_pin(model_config, tokenizer, torch_dtype: torch.dtype, on: torch.device) -> None:

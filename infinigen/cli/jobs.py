@@ -3,7 +3,9 @@ resumable, stopped cleanly by Ctrl-C (``infinigen.batch``)."""
 
 from __future__ import annotations
 
+import functools
 import signal
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,10 +30,37 @@ def job_requests(input_path: Path, output: Path | None):
     return read_requests(input_path)
 
 
-def batch_job(job, requests, bad, input_path: Path, output: Path, as_json: bool) -> None:
-    """Run ``requests`` (``job_requests``) into ``output``; print the job's summary."""
-    from infinigen.batch import run_job
+def run_batch_job(loading: dict, settings: dict, sampling, options: dict, ray, requests, input_path, output, as_json):
+    """``--input``: the job in this process, or on Ray's workers (``ray``: (None | "local" | ADDRESS,
+    workers); the driver then loads no weights). ``loading``: ``load_model``'s model, device, dtype and
+    the artifact."""
+    from infinigen.models import load_model, resolve_device
 
+    address, workers = ray
+    if address is None:
+        from infinigen.artifacts import open_artifact
+        from infinigen.batch import Job, run_job
+
+        loaded = load_model(loading["model"], device=loading["device"], dtype=loading["dtype"])
+        artifact = open_artifact(loading["artifact"], loaded.model) if loading["artifact"] is not None else None
+        job = Job.of(loaded.model, loaded.tokenizer, artifact, settings, sampling=sampling, **options)
+        run = functools.partial(run_job, job, *requests, output)
+        title = f"{settings['policy']} on {loaded.model.device}"
+    else:
+        from infinigen.batch.distributed import Cluster, Loading, driver_planner, run_on_ray
+
+        where = Loading(loading["model"], loading["artifact"], resolve_device(loading["device"]), loading["dtype"])
+        planner = driver_planner(where, settings, **options)
+        gpus = 1 if where.device.startswith("cuda") else 0
+        cluster = Cluster(None if address == "local" else address, workers, gpus)
+        run = functools.partial(run_on_ray, cluster, where, planner, sampling, *requests, output)
+        title = f"{settings['policy']} on Ray ({address})"
+    batch_job(run, title, input_path, output, as_json)
+
+
+def batch_job(run: Callable, title: str, input_path: Path, output: Path, as_json: bool) -> None:
+    """Run a job (``run(on_batch=, stop=)``: ``runner.run_job`` or ``distributed.run_on_ray`` with its
+    arguments bound) with a progress bar; print its summary."""
     speed = TextColumn("{task.fields[tokens]} tokens, {task.fields[rate]} tok/s")
     with progress(as_json, speed, TimeRemainingColumn()) as bar, _stop_on_interrupt() as stopping:
         task = bar.add_task("requests", total=None, tokens=0, rate="-")
@@ -40,11 +69,11 @@ def batch_job(job, requests, bad, input_path: Path, output: Path, as_json: bool)
             rate = "-" if not done.seconds else f"{done.tokens / done.seconds:.1f}"
             bar.update(task, total=done.pending, completed=done.written, tokens=done.tokens, rate=rate)
 
-        report = run_job(job, requests, bad, output, on_batch=advance, stop=stopping)
+        report = run(on_batch=advance, stop=stopping)
         advance(report)
     summary = {"input": str(input_path), "output": str(output), **report.report()}
     if not printed_json(summary, as_json):
-        print_pairs(f"{job.config.policy} on {job.model.device}", summary)
+        print_pairs(title, summary)
     if report.interrupted:
         err_console.print(f"stopped: {report.written} of {report.pending} written; the same command continues")
         raise typer.Exit(130)
