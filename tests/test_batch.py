@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import invoke, tiny_model
 
-from infinigen.batch import Job, read_requests, run_job
+from infinigen.batch import Job, Work, read_requests, run_job
 from infinigen.batch.records import append_rows, read_done
 from infinigen.errors import InfinigenError
 
@@ -114,7 +114,7 @@ def test_a_job_writes_every_request_once_as_decoded_alone(job, tmp_path):
         file.write(json.dumps({"id": "long", "prompt": "the " * 600}) + "\nnot json\n")
     requests, bad = read_requests(tmp_path / "in.jsonl")
     batches = []
-    report = run_job(job, requests, bad, tmp_path / "out.jsonl", on_batch=lambda p: batches.append(p.written))
+    report = run_job(job, Work(requests, bad, tmp_path / "out.jsonl"), on_batch=lambda p: batches.append(p.written))
     got = results(tmp_path / "out.jsonl")
     assert report.written == len(got) == 12 and report.errors == 2 and len(batches) == report.batches == 3
     assert "exceeds the model's context of 512 tokens" in got["long"]["error"]
@@ -122,11 +122,11 @@ def test_a_job_writes_every_request_once_as_decoded_alone(job, tmp_path):
     for record in records[:4]:
         alone = tmp_path / f"alone-{record['id']}.jsonl"
         alone_requests = [r for r in requests if r.id == record["id"]]
-        run_job(job, alone_requests, [], alone)
+        run_job(job, Work(alone_requests, [], alone))
         assert results(alone)[record["id"]] == got[record["id"]]
         row, limit = got[record["id"]], record.get("max_new_tokens", 6)
         assert row["tokens"] == limit if row["finish_reason"] == "length" else row["tokens"] <= limit
-    again = run_job(job, requests, bad, tmp_path / "out.jsonl")
+    again = run_job(job, Work(requests, bad, tmp_path / "out.jsonl"))
     assert again.written == 0 and again.done_before == 12
 
 
@@ -154,11 +154,11 @@ def test_batches_follow_the_memory_plan(job, tmp_path):
 def test_a_job_stopped_between_batches_continues_to_the_same_rows(job, tmp_path):
     write_requests(tmp_path / "in.jsonl", 14)
     requests, bad = read_requests(tmp_path / "in.jsonl")
-    run_job(job, requests, bad, tmp_path / "whole.jsonl")
+    run_job(job, Work(requests, bad, tmp_path / "whole.jsonl"))
     calls = []
-    first = run_job(job, requests, bad, tmp_path / "out.jsonl", stop=lambda: calls.append(1) or len(calls) > 2)
+    first = run_job(job, Work(requests, bad, tmp_path / "out.jsonl"), stop=lambda: calls.append(1) or len(calls) > 2)
     assert first.interrupted and first.batches == 2 and first.written == 8
-    second = run_job(job, requests, bad, tmp_path / "out.jsonl")
+    second = run_job(job, Work(requests, bad, tmp_path / "out.jsonl"))
     assert not second.interrupted and second.done_before == 8 and second.written == 6
     assert results(tmp_path / "out.jsonl") == results(tmp_path / "whole.jsonl")
 
@@ -240,12 +240,13 @@ def test_a_ray_job_writes_one_process_rows_and_continues(checkpoint, tmp_path):
     options = {"max_new_tokens": 6, "max_batch": 4}
     loaded = load_model(str(folder), device="cpu")
     one = Job.of(loaded.model, loaded.tokenizer, None, {"policy": "full"}, **options)
-    run_job(one, requests, bad, tmp_path / "one.jsonl")
+    run_job(one, Work(requests, bad, tmp_path / "one.jsonl"))
     loading = Loading(str(folder), None, "cpu", None)
     planner = driver_planner(loading, {"policy": "full"}, **options)
     cluster = Cluster(workers=2)
-    first = run_on_ray(cluster, loading, planner, Sampling(), requests, bad, tmp_path / "ray.jsonl", stop=lambda: True)
+    work = Work(requests, bad, tmp_path / "ray.jsonl")
+    first = run_on_ray(cluster, loading, planner, Sampling(), work, stop=lambda: True)
     assert first.interrupted and first.batches == 1 and first.written == 1 + 4  # the bad line, one batch
-    second = run_on_ray(cluster, loading, planner, Sampling(), requests, bad, tmp_path / "ray.jsonl")
+    second = run_on_ray(cluster, loading, planner, Sampling(), work)
     assert not second.interrupted and second.done_before == 5 and second.written == 20
     assert results(tmp_path / "ray.jsonl") == results(tmp_path / "one.jsonl")

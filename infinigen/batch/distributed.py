@@ -12,12 +12,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from infinigen.batch.records import BadLine, Request, append_rows
-from infinigen.batch.runner import Job, Planner, Prepared, Progress, record, run_batch, schedule
+from infinigen.batch.records import Request, Work
+from infinigen.batch.runner import Job, Planner, Prepared, Progress, begin, record, run_batch
 from infinigen.errors import InfinigenError
 from infinigen.runtime.config import config_from
 from infinigen.runtime.memory import plan as memory
@@ -78,9 +77,7 @@ def run_on_ray(
     loading: Loading,
     planner: Planner,
     sampling: Sampling,
-    requests: list[Request],
-    bad: list[BadLine],
-    output: Path,
+    work: Work,
     *,
     on_batch: Callable[[Progress], None] = lambda progress: None,
     stop: Callable[[], bool] = lambda: False,
@@ -90,10 +87,8 @@ def run_on_ray(
         import ray
     except ImportError:
         raise InfinigenError('--ray needs Ray: pip install ".[ray]"') from None
-    left = schedule(planner, requests, bad, output)
+    left = begin(planner, work)
     progress = left.progress
-    append_rows(output, left.errors)
-    progress.written = progress.errors = len(left.errors)
     if not left.batches:
         return progress
     items = [
@@ -128,7 +123,7 @@ def run_on_ray(
         )
         start = time.perf_counter()
         for done in dataset.iter_rows():
-            record(output, json.loads(done["rows"]), progress, left.done_ids, start)
+            record(work.output, json.loads(done["rows"]), progress, left.done_ids, start)
             on_batch(progress)
             if stop() and progress.batches < len(items):
                 progress.interrupted = True

@@ -40,6 +40,15 @@ class BadLine:
         return {"id": self.id, "line": self.line, "error": self.error}
 
 
+@dataclass(frozen=True)
+class Work:
+    """A job's files: its requests and bad input lines (``read_requests``), and where the results go."""
+
+    requests: list[Request]
+    bad: list[BadLine]
+    output: Path
+
+
 def read_requests(path: Path) -> tuple[list[Request], list[BadLine]]:
     """The requests of a JSON-lines file and its lines that are none (blank lines skipped). Refuses the
     file (``InfinigenError``) where it cannot be read or two requests share an id: nothing has run yet."""

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
-from infinigen.batch.records import BadLine, Request, append_rows, read_done
+from infinigen.batch.records import Request, Work, append_rows, read_done
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_for
 from infinigen.runtime.config import config_from
@@ -105,27 +105,28 @@ class Progress:
 
 @dataclass
 class Schedule:
-    """What is left of a job: error rows to write, and the batches (by index) with a request unwritten."""
+    """What is left of a job: the batches (by index) with a request unwritten."""
 
-    errors: list[dict]
     batches: list[tuple[int, list[Prepared]]]
     done_ids: set
     progress: Progress
 
 
-def schedule(planner: Planner, requests: list[Request], bad: list[BadLine], output: Path) -> Schedule:
+def begin(planner: Planner, work: Work) -> Schedule:
     """The job's batches, formed over every request (done or not: the same batches every run), those with
-    a request ``output`` lacks, and the error rows it lacks (``bad`` lines, requests that cannot run)."""
-    done_ids, done_lines = read_done(output)
-    prepared, refused = _prepared(planner, requests)
-    errors = [b.row() for b in bad if b.line not in done_lines]
+    a request the output lacks; the error rows it lacks (bad lines, requests that cannot run) written."""
+    done_ids, done_lines = read_done(work.output)
+    prepared, refused = _prepared(planner, work.requests)
+    errors = [b.row() for b in work.bad if b.line not in done_lines]
     errors += [{"id": r.id, "error": message} for r, message in refused if r.id not in done_ids]
     batches, unfit = form_batches(planner, prepared)
     errors += [{"id": p.request.id, "error": message} for p, message in unfit if p.request.id not in done_ids]
     left = [(i, batch) for i, batch in enumerate(batches) if any(p.request.id not in done_ids for p in batch)]
     pending = sum(p.request.id not in done_ids for _, batch in left for p in batch)
     progress = Progress(pending=pending + len(errors), done_before=len(done_ids) + len(done_lines))
-    return Schedule(errors, left, done_ids, progress)
+    append_rows(work.output, errors)
+    progress.written = progress.errors = len(errors)
+    return Schedule(left, done_ids, progress)
 
 
 def record(output: Path, rows: list[dict], progress: Progress, done_ids: set, start: float) -> None:
@@ -141,28 +142,23 @@ def record(output: Path, rows: list[dict], progress: Progress, done_ids: set, st
 
 def run_job(
     job: Job,
-    requests: list[Request],
-    bad: list[BadLine],
-    output: Path,
+    work: Work,
     *,
     on_batch: Callable[[Progress], None] = lambda progress: None,
     stop: Callable[[], bool] = lambda: False,
 ) -> Progress:
-    """Decode every request of ``requests`` without a result in ``output`` and append its row, a batch at
-    a time; ``bad`` input lines become error rows first. ``on_batch`` hears the progress after each
-    batch; ``stop()``, asked between batches, ends the job early (its results kept)."""
-    left = schedule(job.planner, requests, bad, output)
-    progress = left.progress
-    append_rows(output, left.errors)
-    progress.written = progress.errors = len(left.errors)
+    """Decode every request of ``work`` without a result in its output and append its row, a batch at a
+    time; bad input lines become error rows first. ``on_batch`` hears the progress after each batch;
+    ``stop()``, asked between batches, ends the job early (its results kept)."""
+    left = begin(job.planner, work)
     start = time.perf_counter()
     for index, batch in left.batches:
         if stop():
-            progress.interrupted = True
+            left.progress.interrupted = True
             break
-        record(output, run_batch(job, batch, index), progress, left.done_ids, start)
-        on_batch(progress)
-    return progress
+        record(work.output, run_batch(job, batch, index), left.progress, left.done_ids, start)
+        on_batch(left.progress)
+    return left.progress
 
 
 def _prepared(planner: Planner, requests: list[Request]) -> tuple[list[Prepared], list[tuple[Request, str]]]:

@@ -39,21 +39,22 @@ def run_batch_job(loading: dict, settings: dict, sampling, options: dict, ray, r
     address, workers = ray
     if address is None:
         from infinigen.artifacts import open_artifact
-        from infinigen.batch import Job, run_job
+        from infinigen.batch import Job, Work, run_job
 
         loaded = load_model(loading["model"], device=loading["device"], dtype=loading["dtype"])
         artifact = open_artifact(loading["artifact"], loaded.model) if loading["artifact"] is not None else None
         job = Job.of(loaded.model, loaded.tokenizer, artifact, settings, sampling=sampling, **options)
-        run = functools.partial(run_job, job, *requests, output)
+        run = functools.partial(run_job, job, Work(*requests, output))
         title = f"{settings['policy']} on {loaded.model.device}"
     else:
+        from infinigen.batch import Work
         from infinigen.batch.distributed import Cluster, Loading, driver_planner, run_on_ray
 
         where = Loading(loading["model"], loading["artifact"], resolve_device(loading["device"]), loading["dtype"])
         planner = driver_planner(where, settings, **options)
         gpus = 1 if where.device.startswith("cuda") else 0
         cluster = Cluster(None if address == "local" else address, workers, gpus)
-        run = functools.partial(run_on_ray, cluster, where, planner, sampling, *requests, output)
+        run = functools.partial(run_on_ray, cluster, where, planner, sampling, Work(*requests, output))
         title = f"{settings['policy']} on Ray ({address})"
     batch_job(run, title, input_path, output, as_json)
 
