@@ -225,8 +225,8 @@ def test_cli_refusals_are_one_line(checkpoint, tmp_path):
 
 def test_a_ray_job_writes_one_process_rows_and_continues(checkpoint, tmp_path):
     """On a local Ray cluster of two CPU workers (each loading the model once), the driver forms the
-    batches from the config and tokenizer alone: the rows equal one process's, and a job stopped after
-    its first batch continues to them."""
+    batches from the config and tokenizer alone: a job stopped after its first batch continues, with one
+    of its workers killed on the way (Ray restarts it and retries its batch), to one process's rows."""
     pytest.importorskip("ray.data")
     from infinigen.batch.distributed import Cluster, Loading, driver_planner, run_on_ray
     from infinigen.models import load_model
@@ -247,6 +247,20 @@ def test_a_ray_job_writes_one_process_rows_and_continues(checkpoint, tmp_path):
     work = Work(requests, bad, tmp_path / "ray.jsonl")
     first = run_on_ray(cluster, loading, planner, Sampling(), work, stop=lambda: True)
     assert first.interrupted and first.batches == 1 and first.written == 1 + 4  # the bad line, one batch
-    second = run_on_ray(cluster, loading, planner, Sampling(), work)
-    assert not second.interrupted and second.done_before == 5 and second.written == 20
-    assert results(tmp_path / "ray.jsonl") == results(tmp_path / "one.jsonl")
+    killed = []
+    second = run_on_ray(cluster, loading, planner, Sampling(), work, on_batch=lambda _: killed or kill_a_worker(killed))
+    assert not second.interrupted and second.done_before == 5 and second.written == 20 and killed
+    assert results(tmp_path / "ray.jsonl") == results(tmp_path / "one.jsonl")  # the killed worker's batch retried
+
+
+def kill_a_worker(killed: list[int]) -> None:
+    """SIGKILL one of the job's Ray actors (found by their process title)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"MapWorker" in command:
+            os.kill(int(pid), signal.SIGKILL)
+            killed.append(int(pid))
+            return

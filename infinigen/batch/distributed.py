@@ -118,8 +118,7 @@ def run_on_ray(
             concurrency=min(cluster.workers or max(gpus, 1), len(items)),
             num_cpus=1,
             num_gpus=cluster.gpus_per_worker or None,
-            max_restarts=RETRIES,
-            max_task_retries=RETRIES,
+            ray_remote_args_fn=lambda: {"max_restarts": RETRIES, "max_task_retries": RETRIES},
         )
         start = time.perf_counter()
         for done in dataset.iter_rows():
