@@ -8,7 +8,7 @@ needs, each step stated (``MemoryPlan.shed``):
 
 - decoding: rows of earlier steps (``resident_extra``: as asked, then 1, then 0), then row reuse itself,
   where reuse is automatic;
-- the prefill: its chunk, 4,096 tokens for a one-shot prefill, then halved down to 512 (the earlier
+- the prefill: its chunk, 4,096 tokens for a one-shot prefill, then halved down to 256 (the earlier
   chunks' KV then read in blocks of at most the chunk: ``prefill_block_tokens``);
 - only where neither suffices, dense layers, down to 0 (a speculating policy then selects layer 0 from
   its own input, fetching without overlap: the paper keeps it dense for accuracy), each time with the
@@ -41,7 +41,7 @@ from infinigen.runtime.selection.speculation import padded_channels
 SLACK = 0.05  # of the planned peak: blocks the caching allocator holds but cannot hand out
 CONTEXT_BYTES = 600 * 2**20  # the CUDA context and its libraries, outside PyTorch's allocator
 CHUNK = 4096  # the prefill chunk the plan turns to when a one-shot prefill does not fit
-SMALLEST_CHUNK = 512
+SMALLEST_CHUNK = 256  # below it a prefill re-reads the pool too often: each chunk reads every earlier token
 Phase = str  # "run" | "prefill" | "decode"
 
 
