@@ -133,11 +133,11 @@ def test_a_job_writes_every_request_once_as_decoded_alone(job, tmp_path):
 def test_batches_follow_the_memory_plan(job, tmp_path):
     """Longest prompts first; a batch grows while the plan admits one more row: under a budget that
     admits fewer rows, more batches of fewer rows."""
-    from infinigen.batch.runner import _prepared, batch_plan, form_batches
+    from infinigen.batch.runner import batch_plan, form_batches, prepare
 
     write_requests(tmp_path / "in.jsonl", 12)
     requests, _ = read_requests(tmp_path / "in.jsonl")
-    prepared, _ = _prepared(job.planner, requests)
+    prepared, _ = prepare(job.planner, requests)
     batches, unfit = form_batches(job.planner, prepared)
     lengths = [len(p.ids) for batch in batches for p in batch]
     assert lengths == sorted(lengths, reverse=True) and [len(b) for b in batches] == [4, 4, 4] and not unfit
@@ -264,3 +264,20 @@ def kill_a_worker(killed: list[int]) -> None:
             os.kill(int(pid), signal.SIGKILL)
             killed.append(int(pid))
             return
+
+
+def test_the_gpu_benchmark_script_runs_on_the_cpu(checkpoint, tmp_path):
+    """benchmarks/batch_gpu.py (the GPU throughput comparison) end to end on a tiny model: every mode runs
+    the same requests and reports its tokens per second."""
+    folder = checkpoint("llama")
+    rng = random.Random(0)
+    (tmp_path / "book.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(2000)))
+    script = Path(__file__).parents[1] / "benchmarks" / "batch_gpu.py"
+    command = [sys.executable, str(script), "--model", str(folder), "--text", str(tmp_path / "book.txt")]
+    command += ["--prompts", "10", "--min-tokens", "16", "--max-tokens", "100", "--new-tokens", "4", "--device", "cpu"]
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
+    subprocess.run([*command, "--out", str(tmp_path / "report.json")], check=True, capture_output=True, env=env)
+    modes = json.loads((tmp_path / "report.json").read_text())["modes"]
+    assert set(modes) == {"plan", "batches of 8", "transformers"}
+    assert all(0 < m["generated_tokens"] <= 40 and m["tokens_per_s"] > 0 for m in modes.values())
+    assert modes["plan"]["batches"] == 1 and modes["batches of 8"]["batches"] == 2

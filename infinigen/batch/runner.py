@@ -47,6 +47,10 @@ class Planner:
             raise InfinigenError("the batch size and max_new_tokens must be at least 1")
         self.context = self.model.config.max_position_embeddings
 
+    def plan(self, work: memory.Workload) -> memory.MemoryPlan:
+        """The memory plan a batch of ``work`` runs in (a benchmark plans transformers' caches here)."""
+        return memory.plan(self.model, self.dtype, work, self.config, self.budget)
+
 
 @dataclass
 class Job:
@@ -116,7 +120,7 @@ def begin(planner: Planner, work: Work) -> Schedule:
     """The job's batches, formed over every request (done or not: the same batches every run), those with
     a request the output lacks; the error rows it lacks (bad lines, requests that cannot run) written."""
     done_ids, done_lines = read_done(work.output)
-    prepared, refused = _prepared(planner, work.requests)
+    prepared, refused = prepare(planner, work.requests)
     errors = [b.row() for b in work.bad if b.line not in done_lines]
     errors += [{"id": r.id, "error": message} for r, message in refused if r.id not in done_ids]
     batches, unfit = form_batches(planner, prepared)
@@ -161,7 +165,7 @@ def run_job(
     return left.progress
 
 
-def _prepared(planner: Planner, requests: list[Request]) -> tuple[list[Prepared], list[tuple[Request, str]]]:
+def prepare(planner: Planner, requests: list[Request]) -> tuple[list[Prepared], list[tuple[Request, str]]]:
     """Each request's prompt tokens and new tokens, or why it cannot run (too long for the model, a chat
     without the tokenizer's template)."""
     prepared, refused = [], []
@@ -196,8 +200,7 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int
 def batch_plan(planner: Planner, batch: list[Prepared]) -> memory.MemoryPlan:
     """The memory plan of a batch: its rows, padded to its longest prompt, for its most new tokens."""
     longest = max(len(p.ids) for p in batch)
-    work = memory.Workload(len(batch), longest, max(p.new_tokens for p in batch), planner.prefill_chunk)
-    return memory.plan(planner.model, planner.dtype, work, planner.config, planner.budget)
+    return planner.plan(memory.Workload(len(batch), longest, max(p.new_tokens for p in batch), planner.prefill_chunk))
 
 
 def form_batches(planner: Planner, prepared: list[Prepared]) -> tuple[list[list[Prepared]], list[tuple[Prepared, str]]]:
