@@ -130,10 +130,11 @@ def test_a_job_writes_every_request_once_as_decoded_alone(job, tmp_path):
     assert again.written == 0 and again.done_before == 12
 
 
-def test_batches_follow_the_memory_plan(job, tmp_path):
-    """Longest prompts first; a batch grows while the plan admits one more row: under a budget that
-    admits fewer rows, more batches of fewer rows."""
+def test_batches_follow_the_memory_plan(job, tmp_path, monkeypatch):
+    """Longest prompts first; a batch grows while the plan admits one more row: under a GPU budget, or
+    host memory, that admits fewer rows, more batches of fewer rows."""
     from infinigen.batch.runner import batch_plan, form_batches, prepare
+    from infinigen.runtime.memory import plan as memory
 
     write_requests(tmp_path / "in.jsonl", 12)
     requests, _ = read_requests(tmp_path / "in.jsonl")
@@ -146,6 +147,10 @@ def test_batches_follow_the_memory_plan(job, tmp_path):
     tight, unfit = form_batches(small, prepared)
     assert len(tight[0]) == 2 and all(batch_plan(small, b).fits for b in tight) and not unfit
     assert [p for b in tight for p in b] == [p for b in batches for p in b]  # the same order, cut finer
+    host = batch_plan(job.planner, batches[0][:2]).host  # host memory for two of the longest rows' pools
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: host)
+    assert len(form_batches(job.planner, prepared)[0][0]) == 2
+    monkeypatch.undo()
     half_gb = Job.of(job.model, job.planner.tokenizer, None, {"gpu_memory_gb": 0.5})
     none_fit, unfit = form_batches(half_gb.planner, prepared)
     assert not none_fit and len(unfit) == 12 and "the weights alone do not fit" in unfit[0][1]

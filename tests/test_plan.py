@@ -193,6 +193,36 @@ def test_refusal_names_what_does_not_fit_and_the_nearest_settings():
     assert memory.refusal(weights_only).endswith("the weights alone do not fit")
 
 
+def test_a_pool_larger_than_the_host_has_is_refused(monkeypatch, prepared):
+    """Pinned pool pages cannot be swapped: a run whose CPU pool exceeds the host memory available now is
+    refused in one line (with what halves or caps it) before the weights load."""
+
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    found = memory.plan(model, BF16, memory.Workload(1, 131072, 8), RuntimeConfig())
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: found.host + 1)
+    assert memory.why_not(found) is None
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: found.host - 1)
+    line = memory.why_not(found)
+    assert line.startswith("does not fit in host memory: 1 x 131072 tokens (+8 new) with infinigen needs 16.23 GB")
+    assert line.endswith("--kv-bits 8 halves the pool, --cpu-pool-gb caps it (evicting), or a shorter context or batch")
+    monkeypatch.undo()
+    folder, out = prepared("llama")
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
+    args = ("generate", str(folder), "--artifact", str(out), "--prompt", "the house was old", "--device", "cpu")
+    refused = invoke(*args)
+    assert refused.exit_code == 2 and "does not fit in host memory" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
+
+
+def test_retired_blocks_count_as_available(monkeypatch):
+    """The retired blocks of dropped pools count as available: the next pool reuses them."""
+    from infinigen.runtime.memory import host_memory
+
+    before = memory.host_available_bytes()
+    monkeypatch.setattr(host_memory, "_retired", [(torch.device("cpu"), torch.empty(2**30, dtype=torch.uint8))])
+    assert memory.host_available_bytes() - before == pytest.approx(2**30, rel=0.05)
+
+
 def test_plan_command_json_and_table(monkeypatch):
     args = ["--shape", "llama-3-8b", "--gpu-memory-gb", "24", "--batch", "1", "--context", "131072", "--json"]
     result = invoke("plan", *args)

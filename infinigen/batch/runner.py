@@ -211,15 +211,20 @@ def form_batches(planner: Planner, prepared: list[Prepared]) -> tuple[list[list[
     unfit: list[tuple[Prepared, str]] = []
     for item in ordered:
         current = batches[-1] if batches else None
-        if current is not None and len(current) < planner.max_batch and batch_plan(planner, [*current, item]).fits:
+        if current is not None and len(current) < planner.max_batch and admits(batch_plan(planner, [*current, item])):
             current.append(item)
             continue
         alone = batch_plan(planner, [item])
-        if alone.fits:
+        if admits(alone):
             batches.append([item])
         else:
-            unfit.append((item, "does not fit: " + memory.refusal(alone)))
+            unfit.append((item, memory.why_not(alone)))
     return batches, unfit
+
+
+def admits(found: memory.MemoryPlan) -> bool:
+    """Whether a batch's plan fits the GPU budget and the host memory available."""
+    return found.fits and memory.fits_host(found)
 
 
 def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:

@@ -355,8 +355,8 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
     work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
     found = memory.plan_for(model, case.config, work, budget)
     said = {"planned_peak_gpu_gb": memory.gb(found.peak_gpu), "given_up": "; ".join(found.shed) or None}
-    if not found.fits:
-        return case, case_settings(case) | {"error": "does not fit: " + memory.refusal(found)}, said
+    if why := memory.why_not(found):
+        return case, case_settings(case) | {"error": why}, said
     planned = replace(case, planned=memory.cache_settings(found), prefill_chunk=found.workload.prefill_chunk)
     return planned, None, said
 

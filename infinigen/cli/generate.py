@@ -105,8 +105,8 @@ def generate(
         work = memory.Workload(len(prompts), longest, max_new_tokens, prefill_chunk or None)
         budget = memory.budget_bytes(config.gpu_memory_gb, on)
         found = memory.plan(subject, torch_dtype, work, config, budget, ranks=world_size())
-        if not found.fits:
-            raise InfinigenError("does not fit: " + memory.refusal(found))
+        if why := memory.why_not(found):
+            raise InfinigenError(why)
         planned.append(found)
         size = host_pool_size(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(found.config))
         if size.blocks:

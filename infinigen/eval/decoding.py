@@ -133,8 +133,8 @@ def scoring_plan(model: PreTrainedModel, settings: dict, pairs: Pairs) -> memory
     line (``InfinigenError``) where it does not fit."""
     prefix, _, width = scoring_layout(pairs)
     found = planned(model, settings, len(pairs), prefix, width - 1 - prefix)
-    if not found.fits:
-        raise InfinigenError("does not fit: " + memory.refusal(found))
+    if why := memory.why_not(found):
+        raise InfinigenError(why)
     return found
 
 

@@ -221,8 +221,8 @@ class HarnessModel:
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)
         found = planned(self.model, self.settings, len(prompts), width, new_tokens, chunk=None)
-        if not found.fits:
-            raise InfinigenError("does not fit: " + memory.refusal(found))
+        if why := memory.why_not(found):
+            raise InfinigenError(why)
         chunk = found.workload.prefill_chunk
         with cache_for(self.model, self.artifact, **memory.cache_settings(found)) as cache:
             output = self.model.generate(

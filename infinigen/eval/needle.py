@@ -136,8 +136,8 @@ def needle_accuracy(
     longest = max(prompts, key=lambda prompt: len(prompt.ids))
     fed = len(longest.ids) - longest.question_start  # the question, one token a step, then the answer
     found = planned(model, settings, 1, longest.question_start, fed + ANSWER_TOKENS)
-    if not found.fits:
-        raise InfinigenError("does not fit: " + memory.refusal(found))
+    if why := memory.why_not(found):
+        raise InfinigenError(why)
     answers = []
     for prompt in prompts:  # every prompt with the settings the longest one's plan leaves
         answers.append(answer(model, tokenizer, artifact, prompt, memory.cache_settings(found)))

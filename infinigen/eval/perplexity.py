@@ -63,8 +63,8 @@ def perplexity(
         if pool_fraction is not None:
             settings |= pool_settings(model, settings, int(pool_fraction * ids.shape[1]), rows.shape[0])
         found = planned(model, settings, rows.shape[0], prefix, ids.shape[1] - 1 - prefix)
-        if not found.fits:  # the sweep goes on: this row says why it did not run
-            return {**settings, "memory_plan": memory.summary(found), "error": "does not fit: " + memory.refusal(found)}
+        if why := memory.why_not(found):  # the sweep goes on: this row says why it did not run
+            return {**settings, "memory_plan": memory.summary(found), "error": why}
         cache = cache_for(model, artifact, **memory.cache_settings(found))
         cache.diagnostics.decode_probe = probe
         nll.append(teacher_forced_nll(model, cache, rows, prefix, on_step=on_step, chunk=found.workload.chunk).cpu())

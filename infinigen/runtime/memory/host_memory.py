@@ -79,6 +79,13 @@ def release_retired(device: torch.device) -> int:
     return sum(block.numel() for block in mine)
 
 
+def retired_bytes() -> int:
+    """The bytes of dropped pools' blocks kept for the next plan (it reuses or frees them): memory a new
+    pool can count on beside what the host has free."""
+    with _lock:
+        return sum(block.numel() for _, block in _retired)
+
+
 def _indexed(device: torch.device) -> torch.device:
     """``cuda`` as ``cuda:N`` (the current device): blocks are kept by the device they serve."""
     if device.type == "cuda" and device.index is None:

@@ -31,7 +31,7 @@ import torch
 
 from infinigen.architectures import model_spec, sliding_windows
 from infinigen.runtime.config import RuntimeConfig
-from infinigen.runtime.memory import reuse
+from infinigen.runtime.memory import host_memory, reuse
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import host_pool_size, offloaded_layer_indices
 from infinigen.runtime.selection.policies import policy_class
@@ -315,6 +315,38 @@ def budget_bytes(gpu_memory_gb: float | None, device: torch.device) -> int | Non
     if device.type != "cuda":
         return None
     return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+
+
+def why_not(found: MemoryPlan, **opts) -> str | None:
+    """Why a run with this plan cannot start, in one line, or None where it can: its GPU memory over the
+    budget (``refusal``), or its CPU pool over the host memory available now (pinned pages cannot be
+    swapped: a pool larger than the free memory ends the process in the host's out-of-memory killer)."""
+    if not found.fits:
+        return "does not fit: " + refusal(found, **opts)
+    if not fits_host(found):
+        work, available = found.workload, host_available_bytes()
+        return (
+            f"does not fit in host memory: {work.batch} x {work.context} tokens (+{work.new_tokens} new) with "
+            f"{found.policy} needs {gb(found.host)} GB for its CPU KV pool, {gb(available)} GB is available; "
+            "--kv-bits 8 halves the pool, --cpu-pool-gb caps it (evicting), or a shorter context or batch"
+        )
+    return None
+
+
+def fits_host(found: MemoryPlan) -> bool:
+    available = host_available_bytes()
+    return available is None or found.host <= available
+
+
+def host_available_bytes() -> int | None:
+    """The host memory a new pool can have now: Linux's MemAvailable and the retired blocks of dropped
+    pools (``host_memory``: reused or freed by the next plan); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            free = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+    return None if free is None else free + host_memory.retired_bytes()
 
 
 def refusal(found: MemoryPlan, **opts) -> str:
