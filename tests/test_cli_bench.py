@@ -140,6 +140,20 @@ def test_bench_sizes_pairs_fewer_layers_and_a_baseline_that_refuses():
     assert all(r["error"] and "\n" not in r["error"] and "ms_per_step" not in r for r in rows[1::2])
 
 
+def test_bench_baselines_and_cases_over_the_hosts_memory_are_rows(monkeypatch):
+    """A case whose KV would not fit in the host memory available (ours: its CPU pool; transformers'
+    offloaded cache: its host KV) is an error row, not a process the host's out-of-memory killer ends."""
+    from infinigen.runtime.memory import plan as memory
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
+    result = bench("--batch 1 --prompt-len 32 --layers 3 --gen-len 1 --policies dense,full,hf-offloaded --json")
+    assert result.exit_code == 0, result.output
+    rows = {r["policy"]: r for r in json.loads(result.stdout)["results"]}
+    assert rows["dense"]["ms_per_step"] > 0  # no CPU pool
+    assert rows["full"]["error"].startswith("does not fit in host memory: 1 x 32 tokens")
+    assert rows["hf-offloaded"]["error"].startswith("does not fit in host memory: its KV needs")
+
+
 def test_bench_runtime_sweeps_multiply_only_the_policies_they_change():
     args = "--batch 1 --prompt-len 32 --gen-len 1 --policies dense,full,infinigen --budgets 0.5"
     sweeps = "--ratio 0.3,0.5 --partial-key-bits 8,16 --lookahead-from input,attention --attention-lookahead-layers 0,1"

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from infinigen.artifacts import Artifact
+from infinigen.bench.hf_memory import hf_plan
 from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
 from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument
@@ -348,11 +349,17 @@ def breakdown(
 
 def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) -> tuple[BenchCase, dict | None, dict]:
     """``case`` as the memory plan runs it, the row of a case the plan refuses (else None), and what the
-    row says of the plan. transformers' caches are not planned: where they do not fit, their error is
-    their row."""
-    if not case.ours:
-        return case, None, {}
+    row says of the plan. transformers' caches are not planned on the GPU (where they do not fit, their
+    error is their row), but the offloaded one's host memory is checked: the host's out-of-memory killer
+    would end the whole run, not the case."""
     work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
+    if not case.ours:
+        found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, case.policy)
+        if memory.fits_host(found):
+            return case, None, {}
+        available = memory.gb(memory.host_available_bytes())
+        error = f"does not fit in host memory: its KV needs {memory.gb(found.host)} GB, {available} GB is available"
+        return case, case_settings(case) | {"error": error}, {}
     found = memory.plan_for(model, case.config, work, budget)
     said = {"planned_peak_gpu_gb": memory.gb(found.peak_gpu), "given_up": "; ".join(found.shed) or None}
     if why := memory.why_not(found):
