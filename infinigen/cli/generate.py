@@ -34,7 +34,7 @@ def generate(
     output: Annotated[Path | None, typer.Option(help="With --input: the results, JSON lines.")] = None,
     max_batch: Annotated[int, typer.Option(help="With --input: the most requests a batch takes.")] = 64,
     ray: Annotated[
-        bool, typer.Option(help='With --input: decode on the workers of a local Ray cluster (pip install ".[ray]").')
+        bool, typer.Option(help="With --input: decode on the workers of a local Ray cluster (the package's ray extra).")
     ] = False,
     ray_address: Annotated[
         str | None, typer.Option(help="With --input: decode on the workers of this running Ray cluster.")
