@@ -154,6 +154,20 @@ def test_shedding_follows_the_documented_order():
     assert {s[1] for s in states} == {0, 1, 2, 3} and max(s[2] for s in states) >= 4 and states[-1][0] == 2
 
 
+def test_the_8b_shape_at_16_x_32k_fits_a_24_gb_card_only_with_every_step_shed(monkeypatch):
+    """The capacity the GPU-budget issue asks for on a 24 GB card: 16 x 32K of the 8B shape fits once
+    decoding, the prefill (chunks of 256, blocks no larger) and the dense layers (none: layer 0 selects
+    from its own input) have all given way; with 512-token chunks it does not."""
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    work = memory.Workload(16, 32768, 8, 4096)
+    budget = memory.budget_bytes(24, torch.device("cpu"))
+    found = memory.plan(model, BF16, work, RuntimeConfig(), budget)
+    assert found.fits and found.shed == ("row reuse off", "dense layers: 0", "prefill chunk: 256 tokens")
+    assert found.config.prefill_block_tokens == 256
+    monkeypatch.setattr(memory, "SMALLEST_CHUNK", 512)
+    assert not memory.plan(model, BF16, work, RuntimeConfig(), budget).fits
+
+
 def test_transformers_caches_estimated_by_hand():
     """``DynamicCache``: every layer's KV on the GPU, one layer's twice while it grows; offloaded: the
     running and the prefetched layer's; both repeat a chunk's keys for each query head in the prefill."""
