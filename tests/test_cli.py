@@ -293,6 +293,7 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     assert same["all_examples"] == {"difference": 0.0, "standard_error": 0.0, "better": 0, "worse": 0}
     assert report["results"][1]["average"]["fraction_fetched"] == toy[1]["fraction_fetched"] > 0
     assert toy[1]["fraction_bytes"] == toy[1]["fraction_fetched"]  # infinigen moves 16-bit rows
+    assert all(0 < t["memory_plan"]["planned_peak_gpu_gb"] < 0.01 for t in toy)  # each task's largest group's plan
     saved, png = tmp_path / "tasks.json", tmp_path / "tasks.png"
     saved.write_text(result.stdout)
     assert invoke("plot", str(saved), "--out", str(png)).exit_code == 0 and png.read_bytes()[:4] == b"\x89PNG"
