@@ -57,12 +57,15 @@ class TransformersPlanner(Planner):
         return hf_plan(self.model, self.dtype, work, "hf-offloaded", self.budget)
 
 
-def transformers_generate(job: Job, work: Work, max_batch: int) -> dict:
-    """The requests through transformers' offloaded cache, batches by its memory estimate."""
+def transformers_generate(job: Job, work: Work, max_batch: int, every: int) -> dict:
+    """The requests through transformers' offloaded cache, batches by its memory estimate; with ``every`` > 1,
+    every ``every``-th of those batches (from the first, longest to shortest): a sample across all lengths whose
+    tokens/s estimates the whole job's where running it all would take too long."""
     fields = {f.name: getattr(job.planner, f.name) for f in dataclasses.fields(Planner)}
     planner = TransformersPlanner(**fields | {"max_batch": max_batch})
     prepared, _ = prepare(planner, work.requests)
     batches, unfit = form_batches(planner, prepared)
+    formed, batches = len(batches), batches[::every]
     model, pad, tokens = job.model, pad_token_id(planner.tokenizer), 0
     ends = end_tokens(model, planner.tokenizer)
     offloading = model.device.type == "cuda"  # transformers offloads to a CUDA device only
@@ -84,7 +87,7 @@ def transformers_generate(job: Job, work: Work, max_batch: int) -> dict:
             tokens += next((i + 1 for i, t in enumerate(row) if t in ends), len(row))
     seconds = time.perf_counter() - start
     cache = "DynamicCache(offloading=True)" if offloading else "DynamicCache (the CPU: no offloading)"
-    counts = {"batches": len(batches), "unfit": len(unfit), "generated_tokens": tokens}
+    counts = {"batches": len(batches), "batches_formed": formed, "unfit": len(unfit), "generated_tokens": tokens}
     return {"cache": cache, **counts, "seconds": round(seconds, 3)}
 
 
@@ -101,6 +104,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-gb", type=float, default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--modes", default="plan,batches of 8,transformers")
+    parser.add_argument("--transformers-every", type=int, default=1, help="run every N-th of its batches")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -124,7 +128,7 @@ def main() -> None:
             job = Job.of(loaded.model, loaded.tokenizer, artifact, settings, **options)
             work = Work(requests, bad, Path(folder) / f"{mode}.jsonl")
             if mode == "transformers":
-                result = transformers_generate(job, work, args.max_batch)
+                result = transformers_generate(job, work, args.max_batch, args.transformers_every)
             else:
                 done = run_job(job, work).report()
                 result = {key: done[key] for key in ("batches", "errors", "generated_tokens", "seconds")}

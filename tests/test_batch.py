@@ -4,6 +4,7 @@ time, and a job stopped anywhere (Ctrl-C, ``kill -9``) continued to exactly an u
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -18,9 +19,12 @@ from pathlib import Path
 import pytest
 from conftest import invoke, tiny_model
 
+from infinigen.artifacts import open_artifact
 from infinigen.batch import Job, Work, read_requests, run_job
 from infinigen.batch.records import append_rows, read_done
 from infinigen.errors import InfinigenError
+from infinigen.models import load_model
+from infinigen.runtime import InfinigenCache
 
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "from", "its", "home", "to", "big")
 
@@ -280,16 +284,39 @@ def kill_a_worker(killed: list[int], seconds: float = 120) -> None:
 
 def test_the_gpu_benchmark_script_runs_on_the_cpu(checkpoint, tmp_path):
     """benchmarks/batch_gpu.py (the GPU throughput comparison) end to end on a tiny model: every mode runs
-    the same requests and reports its tokens per second."""
+    the same requests and reports its tokens per second; transformers' sample runs every other of its batches."""
     folder = checkpoint("llama")
     rng = random.Random(0)
     (tmp_path / "book.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(2000)))
     script = Path(__file__).parents[1] / "benchmarks" / "batch_gpu.py"
     command = [sys.executable, str(script), "--model", str(folder), "--text", str(tmp_path / "book.txt")]
     command += ["--prompts", "10", "--min-tokens", "16", "--max-tokens", "100", "--new-tokens", "4", "--device", "cpu"]
+    command += ["--max-batch", "4", "--transformers-every", "2"]
     env = os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])}
     subprocess.run([*command, "--out", str(tmp_path / "report.json")], check=True, capture_output=True, env=env)
     modes = json.loads((tmp_path / "report.json").read_text())["modes"]
     assert set(modes) == {"plan", "batches of 8", "transformers"}
     assert all(0 < m["generated_tokens"] <= 40 and m["tokens_per_s"] > 0 for m in modes.values())
-    assert modes["plan"]["batches"] == 1 and modes["batches of 8"]["batches"] == 2
+    assert modes["plan"]["batches"] == 3 and modes["batches of 8"]["batches"] == 2
+    assert modes["transformers"]["batches_formed"] == 3 and modes["transformers"]["batches"] == 2
+    assert modes["transformers"]["generated_tokens"] < modes["plan"]["generated_tokens"]
+
+
+@pytest.mark.parametrize("policy", ["full", "infinigen"])
+def test_a_finished_batch_frees_its_cache_at_once(prepared, tokenizer, tmp_path, policy, device):
+    """Each batch's cache is gone when its batch ends, with no garbage collection: a reference cycle would
+    keep its GPU buffers until Python's next full collection (which GPU memory does not trigger), and a
+    long job's later batches would run out of memory (each SmolLM2 batch on the H200 left its cache behind)."""
+    folder, artifact = prepared("llama")
+    model = load_model(str(folder), device=device).model
+    job = Job.of(model, tokenizer, open_artifact(artifact, model), {"policy": policy}, max_new_tokens=4, max_batch=2)
+    write_requests(tmp_path / "in.jsonl", 6)
+    requests, bad = read_requests(tmp_path / "in.jsonl")
+    gc.collect()
+    gc.disable()
+    try:
+        report = run_job(job, Work(requests, bad, tmp_path / "out.jsonl"))
+        alive = [o for o in gc.get_objects() if isinstance(o, InfinigenCache)]
+    finally:
+        gc.enable()
+    assert report.batches == 3 and report.errors == 0 and alive == []

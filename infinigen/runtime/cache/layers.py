@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,7 +56,8 @@ class DenseLayer(_Layer):
 
     def __init__(self, cache: InfinigenCache) -> None:
         super().__init__()
-        self.cache = cache  # the cache this layer belongs to: its ``slot``
+        # the cache this layer belongs to (its ``slot``), weakly: no cycle keeps a finished run's buffers alive
+        self.cache = weakref.proxy(cache)
         self.valid: torch.Tensor | None = None  # (B, 1, capacity) bool: the slot holds a token (not padding)
         self.attention_valid: torch.Tensor | None = None  # (B, 1, capacity) for the current decode step
 
@@ -144,7 +146,9 @@ class OffloadedLayer(_Layer):
         super().__init__()
         self.index, self.policy, self.config, self.speculator = index, policy, config, speculator
         self.attention = attention  # the layer's attention module (the oracle computes its true query)
-        self.cache = cache  # the cache this layer belongs to: shared stream, staging buffers, pool limit
+        # the cache this layer belongs to (shared stream, staging buffers, pool limit), weakly: a cycle would keep
+        # a finished run's GPU buffers until Python's next full collection, which GPU memory does not trigger
+        self.cache = weakref.proxy(cache)
         # from the first update (``lazy_initialization``): the keys' device, dtype and head_dim, the pool, and
         # (B, kv_heads, capacity) bool: the slot holds a cached token (not padding, not unused)
         self.device: torch.device | None = None
