@@ -320,3 +320,28 @@ def test_a_finished_batch_frees_its_cache_at_once(prepared, tokenizer, tmp_path,
     finally:
         gc.enable()
     assert report.batches == 3 and report.errors == 0 and alive == []
+
+
+def test_a_batch_out_of_memory_runs_again_in_halves(job, tmp_path, monkeypatch):
+    """A batch that runs out of device memory (the plan's miss: it admitted the batch) is run again as two
+    halves, down to single rows, rather than lost as error rows; the rows equal an unsplit run's and say
+    so, and the report counts them."""
+    from infinigen.batch import runner
+    from infinigen.errors import OutOfMemory
+
+    write_requests(tmp_path / "in.jsonl", 8)
+    requests, bad = read_requests(tmp_path / "in.jsonl")
+    run_job(job, Work(requests, bad, tmp_path / "whole.jsonl"))
+    decode = runner.generate_ids
+
+    def at_most_one_row(model, tokenizer, prompts, *args, **kwargs):
+        if len(prompts) > 1:
+            raise OutOfMemory("out of cuda:0 memory")
+        return decode(model, tokenizer, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "generate_ids", at_most_one_row)
+    report = run_job(job, Work(requests, bad, tmp_path / "split.jsonl"))
+    assert report.errors == 0 and report.split == report.written == 8 and report.batches == 2
+    assert results(tmp_path / "split.jsonl") == results(tmp_path / "whole.jsonl")
+    stats = [json.loads(line)["stats"] for line in (tmp_path / "split.jsonl").read_text().splitlines()]
+    assert all(s["split_from"] in (2, 4) and s["batch"] == 1 for s in stats)

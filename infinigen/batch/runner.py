@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.batch.records import Request, Work, append_rows, read_done
-from infinigen.errors import InfinigenError
+from infinigen.errors import InfinigenError, OutOfMemory
 from infinigen.runtime import cache_for
 from infinigen.runtime.config import config_from
 from infinigen.runtime.memory import plan as memory
@@ -90,6 +90,7 @@ class Progress:
     errors: int = 0
     tokens: int = 0  # generated, over the rows written
     batches: int = 0
+    split: int = 0  # rows of batches that ran out of memory and ran again in halves
     seconds: float = 0.0
     interrupted: bool = False
 
@@ -101,6 +102,7 @@ class Progress:
             "errors": self.errors,
             "generated_tokens": self.tokens,
             "batches": self.batches,
+            "rows_split_after_out_of_memory": self.split,
             "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds > 0 else None,
             "interrupted": self.interrupted,
@@ -141,6 +143,7 @@ def record(output: Path, rows: list[dict], progress: Progress, done_ids: set, st
     progress.errors += sum("error" in row for row in rows)
     progress.tokens += sum(row.get("tokens", 0) for row in rows)
     progress.batches += 1
+    progress.split += sum("split_from" in row.get("stats", {}) for row in rows)
     progress.seconds = time.perf_counter() - start
 
 
@@ -199,8 +202,9 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int
 
 def batch_plan(planner: Planner, batch: list[Prepared]) -> memory.MemoryPlan:
     """The memory plan of a batch: its rows, padded to its longest prompt, for its most new tokens."""
-    longest = max(len(p.ids) for p in batch)
-    return planner.plan(memory.Workload(len(batch), longest, max(p.new_tokens for p in batch), planner.prefill_chunk))
+    lengths = {len(p.ids) for p in batch}
+    new_tokens = max(p.new_tokens for p in batch)
+    return planner.plan(memory.Workload(len(batch), max(lengths), new_tokens, planner.prefill_chunk, len(lengths) > 1))
 
 
 def form_batches(planner: Planner, prepared: list[Prepared]) -> tuple[list[list[Prepared]], list[tuple[Prepared, str]]]:
@@ -245,6 +249,14 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
                 sampling=sampling,
                 prefill_chunk=found.workload.prefill_chunk or 0,
             )
+    except OutOfMemory as exc:  # the plan's miss, not the requests': each half on its own, down to one row
+        if len(batch) == 1:
+            return [{"id": batch[0].request.id, "error": str(exc)}]
+        halves = (batch[: len(batch) // 2], batch[len(batch) // 2 :])
+        rows = [row for half in halves for row in run_batch(job, half, index)]
+        for row in rows:
+            row.setdefault("stats", {}).setdefault("split_from", len(batch))
+        return rows
     except InfinigenError as exc:
         return [{"id": p.request.id, "error": str(exc)} for p in batch]
     shared = {

@@ -7,8 +7,9 @@ not fit their error is their row.
   and new KV side by side while it grows);
 - ``hf-offloaded`` (``DynamicCache(offloading=True)``): the KV in host memory, on the GPU the running
   layer's and the next one's (prefetched);
-- both prefill through transformers' SDPA attention: past the first chunk, over a mask of every key and,
-  for grouped-query models, the keys and values repeated for each query head.
+- both prefill through transformers' SDPA attention: past the first chunk or with padded rows, over a mask
+  of every key (taken as a bias: ``sdpa_bias_bytes``) and, for grouped-query models, the keys and values
+  repeated for each query head.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from infinigen.runtime.config import RuntimeConfig
-from infinigen.runtime.memory.plan import MemoryPlan, Model, Part, Workload
+from infinigen.runtime.memory.plan import MemoryPlan, Model, Part, Workload, sdpa_bias_bytes
 
 
 def hf_plan(model: Model, dtype: torch.dtype, work: Workload, name: str, budget: int | None = None) -> MemoryPlan:
@@ -33,9 +34,11 @@ def hf_plan(model: Model, dtype: torch.dtype, work: Workload, name: str, budget:
         2 * (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim + 2 * model.hidden, 3 * model.intermediate
     )
     parts.append(Part("prefill: a layer's activations", "gpu", batch * chunk * e * per_token, "prefill"))
-    if chunk < work.context:
+    if chunk < work.context or work.padded:
         parts.append(Part("prefill: attention mask", "gpu", batch * chunk * work.context, "prefill"))
         repeated = batch * spec.n_heads * work.context * spec.head_dim * 2 * e
         parts.append(Part("prefill: keys and values per query head", "gpu", repeated, "prefill"))
+        bias = sdpa_bias_bytes(batch, chunk, work.context, e)
+        parts.append(Part("prefill: the mask as a bias", "gpu", bias, "prefill"))
     parts.append(Part("prefill: logits", "gpu", batch * model.vocab * 4, "prefill"))
     return MemoryPlan(name, work, RuntimeConfig(policy="dense"), tuple(parts), budget)

@@ -97,12 +97,12 @@ def generate(
         """Before the weights load: the memory plan (a run that cannot fit is refused here), then the
         prompts' pools pinned on worker threads while the weights load: a process's first prefill would
         otherwise wait for its blocks (BENCHMARKS.md, "Prefill")."""
-        longest = max(len(ids) for ids in tokenizer(_templated(prompts, tokenizer, chat))["input_ids"])
-        tokens = longest + max_new_tokens
+        lengths = {len(ids) for ids in tokenizer(_templated(prompts, tokenizer, chat))["input_ids"]}
+        longest, tokens = max(lengths), max(lengths) + max_new_tokens
         if tokens > getattr(model_config, "max_position_embeddings", tokens):
             return  # refused once the model is loaded, with the reason
         subject = memory.model_of(model_config, torch_dtype)
-        work = memory.Workload(len(prompts), longest, max_new_tokens, prefill_chunk or None)
+        work = memory.Workload(len(prompts), longest, max_new_tokens, prefill_chunk or None, len(lengths) > 1)
         budget = memory.budget_bytes(config.gpu_memory_gb, on)
         found = memory.plan(subject, torch_dtype, work, config, budget, ranks=world_size())
         if why := memory.why_not(found):

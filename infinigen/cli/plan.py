@@ -28,6 +28,9 @@ def plan(
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 128,
     prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens; 0: the prompt in one pass.")] = 4096,
     dtype: Annotated[str, typer.Option(help="The weights' and KV's dtype.")] = "bfloat16",
+    padded: Annotated[
+        bool, typer.Option(help="Prompts of different lengths (left-padded): the prefill's attention takes a mask.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """The memory plan of a run: each part's bytes on the GPU and in host memory, the settings the GPU
@@ -52,7 +55,7 @@ def plan(
     subject = memory.model_of(model_config, torch_dtype)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     budget = memory.budget_bytes(config.gpu_memory_gb, device)
-    work = memory.Workload(batch, context, new_tokens, prefill_chunk or None)
+    work = memory.Workload(batch, context, new_tokens, prefill_chunk or None, padded and batch > 1)
     found = memory.plan(subject, torch_dtype, work, config, budget)
     bandwidth = _bandwidth(device)
     report = {

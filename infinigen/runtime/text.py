@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
 
-from infinigen.errors import InfinigenError
+from infinigen.errors import InfinigenError, OutOfMemory
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.generation import cache_argument, decode
 from infinigen.tensor_parallel import weight_bytes
@@ -141,7 +141,7 @@ def generate_ids(
                 **{cache_argument(model): cache},
             )
     except torch.OutOfMemoryError:
-        raise InfinigenError(out_of_memory(model, cache, len(prompts), prompt_len + max_new_tokens)) from None
+        raise OutOfMemory(out_of_memory(model, cache, len(prompts), prompt_len + max_new_tokens)) from None
     new = output[:, prompt_len:]
     return new, run_stats(cache, timer, len(prompts), prompt_len, new.shape[1], model)
 

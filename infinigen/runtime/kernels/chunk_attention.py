@@ -65,6 +65,7 @@ def _efficient(query, keys, values, allowed, scale, causal) -> tuple[torch.Tenso
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             query, keys, values, 0.0, causal, False, scale=scale
         )[:2]
+        del keys, values
         return out.float(), lse.float()
     bias = None
     if allowed is not None:  # additive, its rows padded to the kernel's alignment (the padding keys masked)
@@ -75,11 +76,11 @@ def _efficient(query, keys, values, allowed, scale, causal) -> tuple[torch.Tenso
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, keys, values, bias, True, 0.0, causal and allowed is None, scale=scale
     )[:2]
+    del keys, values, bias  # the block's repeated KV and bias go before the float32 output is made
     lse = lse[:, :, :length].float()
     if allowed is not None:  # the kernel's log-sum-exp of a row with no key is not -inf (NaN on an H200)
         lse = lse.masked_fill(~allowed.any(dim=-1), -math.inf)
-    out = torch.where(torch.isfinite(lse)[..., None], out.float(), 0.0)  # a query that reads no key: 0
-    return out, lse
+    return out.float().masked_fill_(~torch.isfinite(lse)[..., None], 0.0), lse  # a query that reads no key: 0
 
 
 def _flash_suits(query: torch.Tensor) -> bool:
@@ -106,6 +107,7 @@ def merged_attention(query: torch.Tensor, blocks: Iterable[Block], scale: float)
         merged = torch.logaddexp(lse, block_lse)
         old = (lse - merged).exp().nan_to_num(0.0)  # -inf - -inf: a query with no key yet
         new = (block_lse - merged).exp().nan_to_num(0.0)
-        total = total * old[..., None] + out * new[..., None]
+        total.mul_(old[..., None]).add_(out.mul_(new[..., None]))  # in place: the workspace stays two outputs
+        del out
         lse = merged
     return total.to(query.dtype).transpose(1, 2)

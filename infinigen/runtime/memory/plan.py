@@ -51,6 +51,8 @@ class Workload:
     context: int  # prompt tokens per row
     new_tokens: int = 0
     prefill_chunk: int | None = None  # None: the whole prompt in one forward
+    # rows of different lengths, left-padded: every prefill attention then takes a mask, as an additive bias
+    padded: bool = False
 
     @property
     def tokens(self) -> int:
@@ -190,21 +192,41 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
 
 def _prefill_parts(model: Model, work: Workload, config: RuntimeConfig, kv: int, heads: int, d: int, e: int):
     """A prefill chunk's workspace, at the last chunk (the most keys): one layer's activations, the
-    attention mask transformers builds over every key (booleans) where the prompt is chunked, and the
-    attention over the earlier chunks one block at a time (a block's keys repeated for each query head)."""
+    attention mask transformers builds over every key (booleans) where the prompt is chunked or padded, and
+    the attention's (``attention_workspace``)."""
     batch, chunk, context = work.batch, work.chunk, work.context
     # the residual and its normed copy, with the attention's projections or the MLP's three (whichever more)
     per_token = 2 * model.hidden + max(2 * (heads + 2 * kv) * d + 2 * model.hidden, 3 * model.intermediate)
     activations = batch * chunk * e * per_token
     parts = [Part("prefill: a layer's activations", "gpu", activations, "prefill")]
-    if chunk < context:
+    if chunk < context or work.padded:
         parts.append(Part("prefill: attention mask", "gpu", batch * chunk * context, "prefill"))
-        keys = min(config.prefill_block_tokens, context)
-        # a block's keys and values for every query head, and the merged output and log-sum-exp (float32)
-        attention = batch * (heads * keys * d * e * 2 + heads * chunk * (d + 1) * 4 * 2)
-        parts.append(Part("prefill: blockwise attention", "gpu", attention, "prefill"))
+        parts.append(Part("prefill: attention", "gpu", attention_workspace(work, config, heads, d, e), "prefill"))
     parts.append(Part("prefill: logits", "gpu", batch * model.vocab * 4, "prefill"))
     return parts
+
+
+def attention_workspace(work: Workload, config: RuntimeConfig, heads: int, d: int, e: int) -> int:
+    """The larger of a prefill's two attentions. The first chunk's is transformers' SDPA, which with a mask
+    (padded rows) repeats the KV for every query head and takes the mask as a bias (``sdpa_bias_bytes``).
+    A later chunk's runs over blocks of earlier keys (``kernels.chunk_attention``): a block's KV repeated
+    for every query head, its output in 16 bits and in float32 beside the running float32 sum, and with
+    padding the block's bias."""
+    batch, chunk, context = work.batch, work.chunk, work.context
+    first = batch * 3 * heads * chunk * d * e + sdpa_bias_bytes(batch, chunk, chunk, e) if work.padded else 0
+    if chunk == context:
+        return first
+    keys = min(config.prefill_block_tokens, context)
+    later = batch * heads * (2 * keys * d * e + chunk * d * (e + 8))
+    later += batch * chunk * -(-keys // 16) * 16 * e if work.padded else 0
+    return max(first, later)
+
+
+def sdpa_bias_bytes(batch: int, queries: int, keys: int, e: int) -> int:
+    """PyTorch's SDPA given a boolean mask: the mask as an additive bias in the query's dtype, copied again
+    with its rows padded to 16 elements where they are not (the efficient kernel's alignment)."""
+    copies = 1 if keys % 16 == 0 else 2
+    return copies * batch * queries * -(-keys // 16) * 16 * e
 
 
 def _settings(config: RuntimeConfig) -> dict:
