@@ -47,6 +47,30 @@ def test_round_trip_error_is_within_half_a_step_of_each_row(dtype):
     assert bool((error[..., 2:] <= absmax / 254 + absmax * 2**-16).all())
 
 
+def test_smoothed_keys_round_trip_within_their_bound_and_beat_plain_rows_on_outlier_channels():
+    """Keys divided by their channels' factors (sqrt of each channel's absmax) before rounding come back
+    within half a step times their factor; values are not smoothed (factor 1). On keys whose outliers sit
+    in fixed channels, the other channels come back far closer than with one scale per plain row."""
+    torch.manual_seed(0)
+    rows = torch.randn(2, 3, 64, 2, 32)
+    rows[:, :, :, 0, :2] *= 50  # two outlier key channels, in every token
+    factors = int8_rows.channel_factors(rows)
+    assert factors.shape == (3, 2, 32) and bool(factors[:, 1].eq(1).all())
+    assert torch.allclose(factors[:, 0], rows[..., 0, :].abs().amax(dim=(0, 2)).sqrt())
+    codes, scales = int8_rows.encode(rows, factors[:, None])
+    decoded = int8_rows.decode(codes, scales, torch.float32, factors[:, None])
+    smoothed_max = (rows / factors[:, None]).abs().amax(dim=-1, keepdim=True)
+    bound = (smoothed_max / 254 + smoothed_max * 2**-16) * factors[:, None]
+    error = (decoded - rows).abs()
+    assert bool((error <= bound).all()) and error.amax() > 0
+    plain = (int8_rows.decode(*int8_rows.encode(rows), torch.float32) - rows).abs()
+    ordinary = (..., 0, slice(2, None))  # the keys' other channels
+    assert error[ordinary].mean() * 4 < plain[ordinary].mean()
+    assert torch.equal(error[..., 1, :], plain[..., 1, :]), "values are rounded as plain rows are"
+    zero = torch.zeros(1, 3, 4, 2, 32)
+    assert bool(int8_rows.channel_factors(zero).eq(1).all())
+
+
 def test_pool_rows_and_bytes_with_8_bits():
     """Host rows hold the codes alone (2 * head_dim bytes: whole 128-byte lines at head_dim 64 or
     128); each slot's two scales live beside them on the compute device, grown with the pool."""
@@ -72,7 +96,9 @@ def test_torch_gather_dequantises_with_count_and_destination(dtype):
     rows = rows_with_outliers(2, 2, 12, 2, 8).to(dtype)
     pool.write_range(0, pool.encode_range(0, rows[:, :, :11]))
     pool.write_slots(torch.full((2, 2), 11), rows[:, :, 11:])  # a decode step's token
-    expected = int8_rows.decode(*int8_rows.encode(rows), dtype)
+    factors = int8_rows.channel_factors(rows[:, :, :11])[:, None]  # from the first rows written
+    assert pool.smoothed and torch.equal(pool.factors[:, None], factors)
+    expected = int8_rows.decode(*int8_rows.encode(rows, factors), dtype, factors)
     indices = torch.tensor([[[0, 6, 11], [4, 5, 10]], [[1, 2, 3], [7, 8, 9]]])
     count = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
     out = torch.full((2, 2, 2, 3, 8), float("nan"), dtype=dtype)
@@ -103,7 +129,7 @@ rows = rows_with_outliers(B, H, 30, 2, D)
 pool.write_range(0, pool.encode_range(0, rows[:, :, :29]))
 pool.block_table = torch.tensor([b.data_ptr() for b in pool.blocks], dtype=torch.int64)
 slots = torch.tensor([[29, 29, 29], [29, 29, 29]])
-codes, scales = int8_rows.encode(rows[:, :, 29:])  # the decode write, quantised first
+codes, scales = int8_rows.encode(rows[:, :, 29:], pool.factors[:, None])  # the decode write, quantised first
 pool.scales[:, :, 29] = scales[:, :, 0]
 transfer._launch_scatter(pool, slots, codes)
 generator = torch.Generator().manual_seed(1)

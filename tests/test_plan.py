@@ -67,10 +67,12 @@ def test_weights_are_the_models_parameters(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "gemma3"])
-def test_the_plan_counts_what_a_cache_holds(tokenizer, arch):
+@pytest.mark.parametrize("kv_bits", [16, 8])
+def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
     """A tiny model decoded through the runtime (chunked prefill, then decode steps): its dense layers'
     buffers, its sliding-window rings (Gemma 3), its offloaded layers' slot state (validity, 4-bit partial
-    keys and their scales) and its CPU pools hold exactly the bytes the plan gives them."""
+    keys and their scales; 8-bit rows' scales and channel factors) and its CPU pools hold exactly the bytes
+    the plan gives them."""
     from helpers import tiny_setup
 
     from infinigen.architectures import model_spec
@@ -81,7 +83,7 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch):
 
     model, artifact = tiny_setup(tokenizer, arch, "cpu")
     work = memory.Workload(batch=2, context=300, new_tokens=40, prefill_chunk=64)
-    config = RuntimeConfig(block_tokens=128, reuse_rows="off")
+    config = RuntimeConfig(block_tokens=128, reuse_rows="off", kv_bits=kv_bits)
     ids = torch.randint(3, 512, (2, work.context), generator=torch.Generator().manual_seed(0))
     kwargs = dict(max_new_tokens=work.new_tokens, do_sample=False, pad_token_id=1, custom_generate=decode)
     with cache_for(model, artifact, **vars(config)) as cache:
@@ -95,6 +97,8 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch):
             layer.valid.nbytes + layer.policy.partial_key_cache.nbytes + layer.policy.partial_key_scale.nbytes
             for layer in offloaded
         )
+        if kv_bits == 8:
+            state += sum(layer.pool.scales.nbytes + layer.pool.factors.nbytes for layer in offloaded)
         pools = sum(layer.pool.nbytes for layer in offloaded)
         dense_layers = sum(type(layer) is DenseLayer for layer in cache.layers)
     channels = padded_channels(artifact.channels(offloaded[0].index).shape[-1])

@@ -30,6 +30,7 @@ class BlockedRows(Protocol):
     block_tokens: int
     kv_bits: int
     scales: torch.Tensor | None  # (B, H, capacity, 2) float32 on the compute device (8-bit rows)
+    factors: torch.Tensor | None  # (H, 2, d) float32 on the compute device: channels' factors (8-bit rows)
     gather_rows: int
     gather_programs: int | None
     shape: tuple[int, ...]  # a block's
@@ -63,7 +64,8 @@ def gather_rows(
         chosen = blocks == index
         rows[chosen] = block[b[chosen], h[chosen], slots[chosen]]
     if pool.kv_bits == 8:
-        rows = int8_rows.decode(rows, pool.scales.cpu()[b, h, cpu_indices.clamp(0, pool.capacity - 1)], out.dtype)
+        scales = pool.scales.cpu()[b, h, cpu_indices.clamp(0, pool.capacity - 1)]
+        rows = int8_rows.decode(rows, scales, out.dtype, pool.factors.cpu()[:, None])
     past_count = torch.zeros(batch, heads, k, dtype=torch.bool)
     if count is not None:  # rows past the count are zeros, as on CUDA (their slots may be unwritten)
         past_count = torch.arange(k) >= count.cpu().view(batch, -1, 1).expand(batch, heads, 1)
@@ -103,6 +105,7 @@ if triton is not None:
     def _gather_kernel(
         table,
         scales,
+        factors,
         indices,
         count,
         out,
@@ -127,7 +130,8 @@ if triton is not None:
         """Persistent: a bounded number of programs loop over all (batch*head, chunk of rows) pairs, so
         the gather keeps enough PCIe reads in flight while leaving SMs to the compute stream.
         With ``int8``, a pool row is 2 * head_dim int8 codes; what lands in ``out`` is each code times
-        its plane's float32 scale, read from ``scales`` (B * H, capacity, 2) in device memory."""
+        its plane's float32 scale, read from ``scales`` (B * H, capacity, 2) in device memory, and its
+        column's factor, from ``factors`` (H, 2 * head_dim)."""
         row = 2 * head_dim
         col = tl.arange(0, row_pow2)
         in_row = (col < row)[None, :]
@@ -149,7 +153,8 @@ if triton is not None:
                 k_scale = tl.load(at, mask=live, other=0)
                 v_scale = tl.load(at + 1, mask=live, other=0)
                 scale = tl.where((col < head_dim)[None, :], k_scale[:, None], v_scale[:, None])
-                values = values.to(tl.float32) * scale
+                factor = tl.load(factors + (bh % kv_heads) * row + col, mask=col < row, other=1.0)
+                values = values.to(tl.float32) * scale * factor[None, :]
             if has_destination:  # rows kept between steps (row reuse) stay: only moved rows are written
                 position = tl.load(destination + _offset(bh, k, j, 1), mask=live, other=0)
                 written = live
@@ -187,10 +192,12 @@ def _launch_gather(
     n_chunks = batch * heads * chunks_per_head
     count = count.contiguous() if count is not None else None  # an expanded count has stride 0
     programs = pool.gather_programs or default_gather_programs(out.device)
-    scales = pool.scales if pool.kv_bits == 8 else pool.block_table
+    int8 = pool.kv_bits == 8
+    scales, factors = (pool.scales, pool.factors) if int8 else (pool.block_table, pool.block_table)
     _gather_kernel[(min(n_chunks, programs),)](
         pool.block_table,
         scales,
+        factors,
         indices.contiguous(),
         count if count is not None else indices,
         out,

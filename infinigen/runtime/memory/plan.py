@@ -166,9 +166,9 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
         channels = opts.get("channels") or padded_channels(math.ceil(d * 0.5))  # the default artifact's half
         per_slot = 1 + (8 if config.kv_bits == 8 else 0) + (20 if config.cpu_pool_gb is not None else 0)
         per_slot += policy.slot_bytes(config, d, e, channels)
-        parts.append(
-            Part("offloaded layers' slot state", "gpu", int(len(offloaded) * batch * kv * capacity * per_slot))
-        )
+        factors = kv * 2 * d * 4 if config.kv_bits == 8 else 0  # 8-bit rows' channel factors, float32
+        state = int(len(offloaded) * (batch * kv * capacity * per_slot + factors))
+        parts.append(Part("offloaded layers' slot state", "gpu", state))
         budgets = opts.get("layer_budgets") or [config.budget] * len(offloaded)
         if reuse_on:
             extra = config.resident_extra_or_default

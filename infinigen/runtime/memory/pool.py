@@ -75,6 +75,10 @@ class KVPool:
         # device. Written on the compute stream only (``encode_range``, ``write_slots``), beside the
         # layer's other per-slot state; replaced (grown) only where the block table is
         self.scales = torch.zeros(batch, kv_heads, 0, 2, device=device) if kv_bits == 8 else None
+        # 8-bit rows: (kv_heads, 2, width) float32, each channel's smoothing factor (``int8_rows``), set in
+        # place from the first rows written (``smoothed``), so a captured step's pointer to it stays valid
+        self.factors = torch.ones(kv_heads, 2, width, device=device) if kv_bits == 8 else None
+        self.smoothed = False
 
     @property
     def capacity(self) -> int:
@@ -116,9 +120,17 @@ class KVPool:
         if self.kv_bits == 16:
             return rows
         self.reserve(start + rows.shape[2])
-        codes, scales = int8_rows.encode(rows)
+        codes, scales = int8_rows.encode(rows, self.smoothing(rows))
         self.scales[:, :, start : start + rows.shape[2]] = scales
         return codes
+
+    def smoothing(self, rows: torch.Tensor) -> torch.Tensor:
+        """The channel factors (kv_heads, 1, 2, width), broadcast to rows (B, kv_heads, T, 2, width), set
+        from ``rows`` if none were yet: the layer's first rows (a prompt's first chunk)."""
+        if not self.smoothed:
+            self.factors.copy_(int8_rows.channel_factors(rows))
+            self.smoothed = True
+        return self.factors[:, None]
 
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Store encoded rows (``encode_range``) at slots start .. start+T-1 of every (batch, head)."""
@@ -154,13 +166,13 @@ class KVPool:
             a, b = max(lo, start), min(hi, start + self.block_tokens)
             _copy_runs(part[:, :, a - lo : b - lo], self.blocks[index][:, :, a - start : b - start])
         if self.kv_bits == 8:
-            return int8_rows.decode(part, self.scales[:, :, lo:hi], dtype)
+            return int8_rows.decode(part, self.scales[:, :, lo:hi], dtype, self.factors[:, None])
         return part
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""
         if self.kv_bits == 8:
-            rows, scales = int8_rows.encode(rows)
+            rows, scales = int8_rows.encode(rows, self.smoothing(rows))
             self.scales.scatter_(2, slots[:, :, None, None].expand(-1, -1, 1, 2), scales)
         transfer.scatter_rows(self, slots, rows)
 
