@@ -91,6 +91,22 @@ def transformers_generate(job: Job, work: Work, max_batch: int, every: int) -> d
     return {"cache": cache, **counts, "seconds": round(seconds, 3)}
 
 
+def phases(output: Path) -> dict:
+    """A job's prefill and decode seconds, summed over its batches (each row carries its batch's), and its
+    batches' largest measured GPU peak."""
+    batches = {}
+    for line in output.read_text().splitlines():
+        stats = json.loads(line).get("stats")
+        if stats:
+            batches[stats["batch_index"], stats.get("split_from"), stats["batch_prefill_s"]] = stats  # halves apart
+    peaks = [s["batch_peak_gpu_gb"] for s in batches.values() if s["batch_peak_gpu_gb"] is not None]
+    return {
+        "prefill_seconds": round(sum(s["batch_prefill_s"] for s in batches.values()), 3),
+        "decode_seconds": round(sum(s["batch_decode_s"] for s in batches.values()), 3),
+        "largest_peak_gpu_gb": max(peaks, default=None),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="MODEL (default: the embedded SmolLM2-135M)")
@@ -132,6 +148,7 @@ def main() -> None:
             else:
                 done = run_job(job, work).report()
                 result = {key: done[key] for key in ("batches", "errors", "generated_tokens", "seconds")}
+                result |= phases(work.output)
             result["tokens_per_s"] = round(result["generated_tokens"] / result["seconds"], 1)
             report["modes"][mode] = result
             print(f"{mode:>14}: {result}", flush=True)

@@ -300,6 +300,8 @@ def test_the_gpu_benchmark_script_runs_on_the_cpu(checkpoint, tmp_path):
     assert modes["plan"]["batches"] == 3 and modes["batches of 8"]["batches"] == 2
     assert modes["transformers"]["batches_formed"] == 3 and modes["transformers"]["batches"] == 2
     assert modes["transformers"]["generated_tokens"] < modes["plan"]["generated_tokens"]
+    plan = modes["plan"]
+    assert plan["prefill_seconds"] > 0 and plan["decode_seconds"] > 0 and plan["largest_peak_gpu_gb"] is None
 
 
 @pytest.mark.parametrize("policy", ["full", "infinigen"])

@@ -261,6 +261,10 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
         return [{"id": p.request.id, "error": str(exc)} for p in batch]
     shared = {
         "batch": len(batch),
+        "batch_index": index,
+        "batch_prefill_s": stats["prefill_s"],
+        "batch_decode_s": stats["decode_s"],
+        "batch_peak_gpu_gb": stats["peak_gpu_gb"],
         "batch_prefill_tok_s": stats["prefill_tok_s"],
         "batch_decode_tok_s": stats["decode_tok_s"],
         "fraction_fetched": stats["fraction_fetched"],

@@ -182,6 +182,8 @@ def run_stats(cache: InfinigenCache, timer: TokenTimer, batch: int, prompt_len: 
         "batch": batch,
         "prompt_tokens": prompt_len,
         "new_tokens": new_tokens,
+        "prefill_s": round(prefill_s, 4),
+        "decode_s": round(decode_s, 4),
         "prefill_tok_s": round(batch * prompt_len / prefill_s, 1) if prefill_s > 0 else None,
         "decode_tok_s": round(batch * (new_tokens - 1) / decode_s, 1) if decode_s > 0 else None,
         "budget": cache.config.budget if cache.policy_type.budgeted else None,
