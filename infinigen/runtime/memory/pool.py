@@ -3,8 +3,9 @@
 Layout: blocks of ``[batch, kv_heads, block_tokens, 2, head_dim]`` (pinned on CUDA: ``host_memory``), so
 one token's K and V of one KV head form one contiguous row of ``2 * head_dim`` elements (512 B at
 head_dim 128 in float16): the unit every fetch moves. With ``kv_bits`` 8 a row holds each K and V
-as int8 codes and their scales stay on the compute device (``scales``, ``int8_rows``): rows are
-quantised as they are written and dequantised by the gather. The pool grows block by block; nothing
+as int8 codes (keys smoothed per channel first) and their scales and the channels' factors stay on the
+compute device (``scales``, ``factors``, ``int8_rows``): rows are quantised as they are written and
+dequantised by the gather. The pool grows block by block; nothing
 in host memory is ever copied to grow it.
 
 A prompt's rows go in, and a multi-token step reads every cached row back, as DMA copies
