@@ -31,6 +31,7 @@ import torch
 
 from infinigen.architectures import model_spec, sliding_windows
 from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.kernels.chunk_attention import ALIGN
 from infinigen.runtime.memory import host_memory, reuse
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import host_pool_size, offloaded_layer_indices
@@ -218,15 +219,20 @@ def attention_workspace(work: Workload, config: RuntimeConfig, heads: int, d: in
         return first
     keys = min(config.prefill_block_tokens, context)
     later = batch * heads * (2 * keys * d * e + chunk * d * (e + 8))
-    later += batch * chunk * -(-keys // 16) * 16 * e if work.padded else 0
+    later += batch * chunk * _aligned(keys) * e if work.padded else 0
     return max(first, later)
 
 
 def sdpa_bias_bytes(batch: int, queries: int, keys: int, e: int) -> int:
     """PyTorch's SDPA given a boolean mask: the mask as an additive bias in the query's dtype, copied again
     with its rows padded to 16 elements where they are not (the efficient kernel's alignment)."""
-    copies = 1 if keys % 16 == 0 else 2
-    return copies * batch * queries * -(-keys // 16) * 16 * e
+    copies = 1 if keys % ALIGN == 0 else 2
+    return copies * batch * queries * _aligned(keys) * e
+
+
+def _aligned(keys: int) -> int:
+    """A bias row's elements: ``keys`` rounded up to the efficient kernel's alignment."""
+    return -(-keys // ALIGN) * ALIGN
 
 
 def _settings(config: RuntimeConfig) -> dict:
