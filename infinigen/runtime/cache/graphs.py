@@ -11,6 +11,7 @@ block): it is captured once per capacity and replayed as one launch.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable
 from dataclasses import replace
@@ -102,8 +103,13 @@ def capture(fn: Callable[[], T], stream: torch.cuda.Stream) -> tuple[torch.cuda.
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 outputs = fn()
-            finally:
-                graph.capture_end()
+            except BaseException:
+                # a capture left open is ended with its own error (unjoined work), which would hide
+                # this one: an out-of-memory must reach the caller as one (a batch job reruns in halves)
+                with contextlib.suppress(RuntimeError):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
     finally:
         if collecting:
             gc.enable()

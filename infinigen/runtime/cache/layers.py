@@ -108,7 +108,7 @@ class DenseLayer(_Layer):
         self.attention_valid = None
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def mark_padding(self, token_valid: torch.Tensor) -> None:
+    def mark_padding(self, token_valid: torch.Tensor, padded: bool) -> None:
         """token_valid: (B, T) for the prompt tokens just stored (False at padding)."""
         self.valid[:, :, self.length - token_valid.shape[1] : self.length] &= token_valid[:, None, :]
 
@@ -272,11 +272,12 @@ class OffloadedLayer(_Layer):
         rows = torch.stack([key_states, value_states], dim=3)
         return rows if self.policy.codec is None else self.policy.codec.encode(rows)
 
-    def mark_padding(self, token_valid: torch.Tensor) -> None:
-        """token_valid: (B, T) for the prompt tokens just stored (False at padding)."""
+    def mark_padding(self, token_valid: torch.Tensor, padded: bool) -> None:
+        """token_valid: (B, T) for the prompt tokens just stored (False at padding); ``padded``: whether
+        the forward's mask hides any key, these tokens' or earlier ones'."""
         start = self.used - token_valid.shape[1]
         self.valid[:, :, start : self.used] &= token_valid[:, None, :]
-        self.padded = self.padded or not bool(token_valid.all())  # a host sync, at prefill only
+        self.padded = self.padded or padded
 
     def appends(self) -> bool:
         """Whether the next token goes to a new slot (else the full pool overwrites one)."""

@@ -84,7 +84,7 @@ class SlidingLayer(DenseLayer):
             return key_states, value_states
         return torch.cat([past_keys, key_states], dim=2), torch.cat([past_values, value_states], dim=2)
 
-    def mark_padding(self, token_valid: torch.Tensor) -> None:
+    def mark_padding(self, token_valid: torch.Tensor, padded: bool) -> None:
         """token_valid: (B, T) for the tokens of the multi-token step just stored (False at padding)."""
         stored = min(token_valid.shape[1], self.window)
         slots = self._slots(self.length - stored, self.length)
