@@ -66,28 +66,46 @@ def transformers_generate(job: Job, work: Work, max_batch: int, every: int) -> d
     prepared, _ = prepare(planner, work.requests)
     batches, unfit = form_batches(planner, prepared)
     formed, batches = len(batches), batches[::every]
-    model, pad, tokens = job.model, pad_token_id(planner.tokenizer), 0
+    model, pad = job.model, pad_token_id(planner.tokenizer)
     ends = end_tokens(model, planner.tokenizer)
     offloading = model.device.type == "cuda"  # transformers offloads to a CUDA device only
-    start = time.perf_counter()
-    for batch in batches:
+    split = 0
+
+    def generated(batch) -> int:
+        """The batch's new tokens, counted as the job counts a row: up to its first end token. A batch that
+        runs out of memory (its estimate's miss) runs again in halves, as the job's batches do."""
+        nonlocal split
+        if offloading:
+            torch.cuda.empty_cache()  # each batch from none cached, as the job's batches start
         inputs = left_padded([p.ids for p in batch], pad, model.device)
         chunk = {"prefill_chunk_size": planner.prefill_chunk} if planner.prefill_chunk else {}
-        with torch.no_grad():
-            out = model.generate(
-                **inputs,
-                max_new_tokens=max(p.new_tokens for p in batch),
-                do_sample=False,
-                pad_token_id=pad,
-                **{cache_argument(model): DynamicCache(config=model.config, offloading=offloading)},
-                **chunk,
-            )
+        try:
+            with torch.no_grad():
+                out = model.generate(
+                    **inputs,
+                    max_new_tokens=max(p.new_tokens for p in batch),
+                    do_sample=False,
+                    pad_token_id=pad,
+                    **{cache_argument(model): DynamicCache(config=model.config, offloading=offloading)},
+                    **chunk,
+                )
+        except torch.OutOfMemoryError:
+            if len(batch) == 1:
+                raise
+            split += 1
+            return generated(batch[: len(batch) // 2]) + generated(batch[len(batch) // 2 :])
+        tokens = 0
         for p, row in zip(batch, out[:, inputs["input_ids"].shape[1] :].tolist(), strict=True):
-            row = row[: p.new_tokens]  # counted as the job counts a row: up to its first end token
+            row = row[: p.new_tokens]
             tokens += next((i + 1 for i, t in enumerate(row) if t in ends), len(row))
+        return tokens
+
+    start = time.perf_counter()
+    tokens = sum(generated(batch) for batch in batches)
     seconds = time.perf_counter() - start
     cache = "DynamicCache(offloading=True)" if offloading else "DynamicCache (the CPU: no offloading)"
-    counts = {"batches": len(batches), "batches_formed": formed, "unfit": len(unfit), "generated_tokens": tokens}
+    counts = {"batches": len(batches), "batches_formed": formed, "split_after_out_of_memory": split}
+    counts |= {"unfit": len(unfit), "generated_tokens": tokens}
     return {"cache": cache, **counts, "seconds": round(seconds, 3)}
 
 

@@ -219,6 +219,28 @@ def test_a_capture_first_returns_idle_cached_memory_when_the_device_runs_short()
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_capture_that_runs_out_of_memory_says_so_and_leaves_the_stream_usable():
+    """An out-of-memory inside a capture reaches the caller as one (the batch runner reruns such a batch
+    in halves), not as the capture's own "unjoined work" error; the stream then runs work again."""
+    from infinigen.runtime.cache.graphs import capture
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.ones(4, device="cuda").sum()  # the stream's lazy initialisation, outside the capture
+
+    def runs_out() -> torch.Tensor:
+        torch.ones(4, device="cuda").add_(1)
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    with pytest.raises(torch.OutOfMemoryError, match="raised by the test"):
+        capture(runs_out, stream)
+    graph, out = capture(lambda: torch.ones(4, device="cuda") * 2, stream)
+    graph.replay()
+    assert torch.equal(out, torch.full((4,), 2.0, device="cuda"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("policy", ["infinigen", "dense"])
 def test_a_finished_cache_leaves_no_gpu_memory_behind(tokenizer, policy):
     """Decoding with a fresh cache, again and again in one process (a bench sweep, an evaluation),

@@ -236,6 +236,10 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
     where the batch failed)."""
     found = batch_plan(job.planner, batch)
     tokenizer, sampling = job.planner.tokenizer, job.sampling
+    if job.model.device.type == "cuda":
+        # batches differ in shape, and blocks the allocator cached for one fit the next badly (a batch of
+        # 256 x 8K ran out of memory with 4.9 GB cached and idle): each batch starts from none cached
+        torch.cuda.empty_cache()
     if sampling.seed is not None:  # each batch its own stream: a rerun samples a batch as the first run did
         sampling = replace(sampling, seed=sampling.seed + index)
     try:
