@@ -217,10 +217,15 @@ def attention_workspace(work: Workload, config: RuntimeConfig, heads: int, d: in
     first = batch * 3 * heads * chunk * d * e + sdpa_bias_bytes(batch, chunk, chunk, e) if work.padded else 0
     if chunk == context:
         return first
-    keys = min(config.prefill_block_tokens, context)
-    later = batch * heads * (2 * keys * d * e + chunk * d * (e + 8))
-    later += batch * chunk * _aligned(keys) * e if work.padded else 0
-    return max(first, later)
+
+    def later(past: int) -> int:  # the chunk after ``past`` tokens: one block of them at a time
+        keys, queries = min(config.prefill_block_tokens, past), min(chunk, context - past)
+        block = batch * heads * (2 * keys * d * e + queries * d * (e + 8))
+        return block + (batch * queries * _aligned(keys) * e if work.padded else 0)
+
+    # more keys make a chunk larger; only the last chunk has fewer queries: the last and the last full one
+    last, last_full = chunk * ((context - 1) // chunk), chunk * ((context - chunk) // chunk)
+    return max(first, later(last), later(last_full) if last_full >= chunk else 0)
 
 
 def sdpa_bias_bytes(batch: int, queries: int, keys: int, e: int) -> int:
