@@ -1,0 +1,94 @@
+"""Streamed weights (runtime.weights): decoder layers kept in host memory and copied into a few slots one
+layer ahead give the resident model's tokens exactly, with transformers' own cache and with the runtime's
+(whose speculation reads the next layer's query projection ahead of its forward), and leave the model
+as it was found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from helpers import EXACT, greedy, padded_batch, tiny_setup
+
+from infinigen.architectures import decoder_layers
+from infinigen.errors import InfinigenError
+from infinigen.runtime import cache_for
+from infinigen.runtime.weights import StreamedWeights, layer_bytes, streamed_weights
+
+PROMPTS = [[5, 9, 23, 7, 41, 3, 11, 60, 2, 17, 33, 8], [14, 6, 90, 21, 4, 12, 44]]
+
+
+def snapshot(model) -> dict[str, tuple[torch.device, int, torch.Tensor]]:
+    return {name: (p.device, p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "gemma3"])
+@pytest.mark.parametrize("streamed, ahead", [((1,), 0), ((0, 1, 2), 0), ((0, 1, 2), 1), ((1, 2), 1)])
+def test_streamed_layers_decode_as_resident_ones(tokenizer, arch, streamed, ahead, device):
+    """Every slot count: fewer slots than streamed layers (each copied at every forward), as many (copied
+    once), a layer alone; with transformers' DynamicCache, token for token."""
+    model = tiny_model(arch).to(device)
+    inputs = padded_batch(PROMPTS, 1, device)
+    with torch.no_grad():
+        resident = greedy(model, inputs)
+        with StreamedWeights(model, streamed, device, ahead=ahead):
+            assert torch.equal(greedy(model, inputs), resident)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "gemma3"])
+@pytest.mark.parametrize("policy", ["infinigen", "full"])
+def test_streamed_weights_under_the_runtime_cache_reproduce_dense(tokenizer, arch, policy, device):
+    """With the runtime's cache at budget 1.0 (dense decoding): the speculation of layer i+1 during layer i
+    reads layer i+1's query projection, which ``ahead`` 1 keeps in its slot."""
+    model, artifact = tiny_setup(tokenizer, arch, device)
+    inputs = padded_batch(PROMPTS, 1, device)
+    layers = range(len(decoder_layers(model)))
+    with torch.no_grad():
+        dense = greedy(model, inputs)
+        with (
+            StreamedWeights(model, layers, device, ahead=1),
+            cache_for(model, artifact, policy=policy, **EXACT) as cache,
+        ):
+            assert torch.equal(greedy(model, inputs, cache), dense)
+
+
+def test_the_model_is_left_as_it_was_found(tokenizer, device):
+    """After close: every parameter on its device with its values, no hooks, no attribute; on the CPU the
+    very same tensors (nothing copied where nothing had to move)."""
+    model = tiny_model("llama").to(device)
+    before = snapshot(model)
+    hooks = [(len(b._forward_pre_hooks), len(b._forward_hooks)) for b in decoder_layers(model)]
+    weights = StreamedWeights(model, [0, 2], device)
+    assert streamed_weights(model) is weights
+    with torch.no_grad():
+        greedy(model, padded_batch(PROMPTS, 1, device), new_tokens=3)
+    weights.close()
+    assert streamed_weights(model) is None
+    assert [(len(b._forward_pre_hooks), len(b._forward_hooks)) for b in decoder_layers(model)] == hooks
+    for name, p in model.named_parameters():
+        where, pointer, values = before[name]
+        assert p.device == where and torch.equal(p.detach(), values), name
+        if device == "cpu":
+            assert p.data_ptr() == pointer, name
+
+
+def test_streamed_layers_leave_the_device_until_their_turn(device):
+    """Outside its forward a streamed layer's parameters are the host copy (a late reader cannot see
+    another layer's weights in a reused slot); the slots are as large as the largest streamed layer."""
+    model = tiny_model("llama").to(device)
+    blocks = decoder_layers(model)
+    with StreamedWeights(model, [1, 2], device) as weights:
+        assert all(p.device.type == "cpu" for b in blocks[1:] for p in b.parameters())
+        assert all(p.device.type == torch.device(device).type for p in blocks[0].parameters())
+        assert [s.numel() for s in weights.slots] == [layer_bytes(blocks[1])] * 2
+        if device == "cuda":
+            assert all(p.is_pinned() for b in blocks[1:] for p in b.parameters())
+
+
+def test_bad_streaming_requests_are_refused_in_one_line():
+    model = tiny_model("llama")
+    for layers, ahead, words in (([], 0, "no decoder layer"), ([3], 0, "must lie in 0..2"), ([0], -1, "ahead")):
+        with pytest.raises(InfinigenError, match=words):
+            StreamedWeights(model, layers, "cpu", ahead=ahead)
+    with StreamedWeights(model, [0], "cpu"), pytest.raises(InfinigenError, match="already streamed"):
+        StreamedWeights(model, [1], "cpu")
