@@ -139,7 +139,7 @@ def test_shedding_follows_the_documented_order():
     through that order, and each plan's statement says what was given up."""
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
     work = memory.Workload(batch=4, context=65536, new_tokens=64, prefill_chunk=4096)
-    config = RuntimeConfig()
+    config = RuntimeConfig(streamed_layers=0)  # streamed weights, the last resort: below
     decoding = {(True, 2.0): 0, (True, 1.0): 1, (True, 0.0): 2, (False, 0.0): 3}
     states = []
     for budget in range(memory.plan(model, BF16, work, config).needed_gpu, model.weight_bytes, -25_000_000):
@@ -194,11 +194,12 @@ def test_the_8b_shape_at_16_x_32k_fits_a_24_gb_card_only_with_every_step_shed(mo
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
     work = memory.Workload(16, 32768, 8, 4096)
     budget = memory.budget_bytes(24, torch.device("cpu"))
-    found = memory.plan(model, BF16, work, RuntimeConfig(), budget)
+    config = RuntimeConfig(streamed_layers=0)
+    found = memory.plan(model, BF16, work, config, budget)
     assert found.fits and found.shed == ("row reuse off", "dense layers: 0", "prefill chunk: 256 tokens")
     assert found.config.prefill_block_tokens == 256
     monkeypatch.setattr(memory, "SMALLEST_CHUNK", 512)
-    assert not memory.plan(model, BF16, work, RuntimeConfig(), budget).fits
+    assert not memory.plan(model, BF16, work, config, budget).fits
 
 
 def test_transformers_caches_estimated_by_hand():
@@ -228,15 +229,16 @@ def test_settings_asked_are_not_shed():
 def test_refusal_names_what_does_not_fit_and_the_nearest_settings():
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
     work = memory.Workload(batch=8, context=131072, prefill_chunk=4096)
-    found = memory.plan(model, BF16, work, RuntimeConfig(), 24 * 10**9)
+    config = RuntimeConfig(streamed_layers=0)  # with none streamed (as asked)
+    found = memory.plan(model, BF16, work, config, 24 * 10**9)
     assert not found.fits
     line = memory.refusal(found)
     assert line.startswith("8 x 131072 tokens (+0 new) with infinigen needs")
     assert "the budget is 24.0 GB (the weights alone 16.06 GB); nearest that fits: --context " in line
     context = int(line.split("--context ")[1].split(",")[0])
-    assert memory.plan(model, BF16, replace(work, context=context), RuntimeConfig(), 24 * 10**9).fits
-    assert not memory.plan(model, BF16, replace(work, context=context + 1), RuntimeConfig(), 24 * 10**9).fits
-    weights_only = memory.plan(model, BF16, work, RuntimeConfig(), 10 * 10**9)
+    assert memory.plan(model, BF16, replace(work, context=context), config, 24 * 10**9).fits
+    assert not memory.plan(model, BF16, replace(work, context=context + 1), config, 24 * 10**9).fits
+    weights_only = memory.plan(model, BF16, work, config, 10 * 10**9)
     assert memory.refusal(weights_only).endswith("the weights alone do not fit")
 
 
@@ -400,3 +402,32 @@ def test_a_padded_batch_peaks_within_the_plan(tokenizer, policy):
         generate_ids(model, tokenizer, prompts, cache, max_new_tokens=4, prefill_chunk=1024)
     measured = torch.cuda.max_memory_allocated()
     assert measured <= planned.peak_gpu <= 1.25 * measured, (planned.peak_gpu, measured)
+
+
+@pytest.mark.parametrize("policy, slots", [("infinigen", 3), ("dense", 2)])
+def test_weights_stream_as_the_last_resort_and_as_few_as_fit(policy, slots):
+    """Where nothing else fits, the plan streams the fewest decoder layers with which its most shed settings
+    fit, then keeps the most asked settings that fit at that count; a streamed layer's weights leave the
+    GPU for host memory, and the slots hold the running layer, one kept ahead for a speculation that reads
+    the next layer (policies that select a layer ahead) and the one being copied."""
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    layer = (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) * 2  # q, o; k, v; the MLP; 2 norms
+    assert model.layer_bytes == layer
+    work = memory.Workload(1, 32768, 8, 4096)
+    budget = 12 * 10**9
+    assert not memory.plan(model, BF16, work, RuntimeConfig(policy=policy, streamed_layers=0), budget).fits
+    found = memory.plan(model, BF16, work, RuntimeConfig(policy=policy), budget)
+    n = found.config.streamed_layers
+    assert found.fits and 0 < n < 32 and found.shed[-1] == f"weights: {n} decoder layers streamed from host memory"
+    got = parts(found)
+    assert got["weights"] == model.weight_bytes - n * layer and got["weights: streaming slots"] == slots * layer
+    assert got["weights: streamed layers"] == n * layer  # in host memory
+    unstreamed = replace(found, config=replace(found.config, streamed_layers=0))
+    crossing = memory.step_floor_ms(found, model, BF16, 50.0) - memory.step_floor_ms(unstreamed, model, BF16, 50.0)
+    assert crossing == pytest.approx(n * layer / 50e9 * 1e3)  # a step's floor: the streamed weights cross too
+    most_shed = dict(dense_layers=0, resident_extra=None, reuse_rows="off", prefill_block_tokens=256)
+    fewer = replace(found.config, streamed_layers=n - 1, **most_shed)
+    assert not memory.plan(model, BF16, replace(work, prefill_chunk=256), fewer, budget).fits
+    asked = RuntimeConfig(policy=policy, streamed_layers=n + 3)  # a count asked for is kept, not varied
+    kept = memory.plan(model, BF16, work, asked, budget)
+    assert kept.config.streamed_layers == n + 3 and not any(s.startswith("weights") for s in kept.shed)

@@ -92,3 +92,23 @@ def test_bad_streaming_requests_are_refused_in_one_line():
             StreamedWeights(model, layers, "cpu", ahead=ahead)
     with StreamedWeights(model, [0], "cpu"), pytest.raises(InfinigenError, match="already streamed"):
         StreamedWeights(model, [1], "cpu")
+
+
+def test_a_cache_streams_the_weights_its_plan_streams_and_restores_them(tokenizer, device):
+    """``streamed_layers`` on a cache: its last layers stream while it lives (dense decoding unchanged) and
+    are back where they were after ``close()``; a model whose caller streams it already is left to it."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    inputs = padded_batch(PROMPTS, 1, device)
+    before = snapshot(model)
+    with torch.no_grad():
+        dense = greedy(model, inputs)
+        with cache_for(model, artifact, streamed_layers=2, **EXACT) as cache:
+            assert streamed_weights(model).order == [1, 2]
+            assert torch.equal(greedy(model, inputs, cache), dense)
+        assert streamed_weights(model) is None
+        assert all(p.device == before[name][0] for name, p in model.named_parameters())
+        with StreamedWeights(model, [0, 1, 2], device) as ours:
+            with cache_for(model, artifact, streamed_layers=2, **EXACT) as cache:
+                assert streamed_weights(model) is ours
+                assert torch.equal(greedy(model, inputs, cache), dense)
+            assert streamed_weights(model) is ours

@@ -105,6 +105,7 @@ def _plan_report(found) -> dict:
             "dense_layers": config.dense_layers,
             "prefill_chunk": work.prefill_chunk,
             "kv_bits": config.kv_bits,
+            "streamed_layers": config.streamed_layers or 0,
         },
         "parts": [{"part": p.name, "where": p.where, "when": p.phase, "gb": _gb(p.nbytes)} for p in found.parts],
     }

@@ -165,6 +165,13 @@ class RuntimeConfig:
     # What the memory plan (``memory.plan``) fits a run into: its automatic choices (row reuse, rows of
     # earlier steps, dense layers, the prefill chunk) come from it, and a run it cannot fit is refused
     # before the weights load.
+    # last resort of the memory plan: a streamed layer's weights cross the bus at every forward
+    streamed_layers: int | None = option(
+        None,
+        "Decoder layers (the last ones) whose weights live in host memory and reach the GPU one layer ahead of "
+        "their use: for models larger than the card. Default: as few as the GPU budget needs, none where the "
+        "weights fit.",
+    )
     gpu_memory_gb: float | None = option(
         None,
         "GPU memory in GB (10^9 bytes) the run may use, weights included; the memory plan fits the run into it "
@@ -210,6 +217,8 @@ class RuntimeConfig:
             raise InfinigenError(f"cpu_pool_gb must be positive, got {self.cpu_pool_gb}")
         if self.reuse_gpu_gb is not None and not (0 <= self.reuse_gpu_gb < math.inf):
             raise InfinigenError(f"reuse_gpu_gb must be >= 0 (None: no cap), got {self.reuse_gpu_gb}")
+        if self.streamed_layers is not None and self.streamed_layers < 0:
+            raise InfinigenError(f"streamed_layers must be 0 or more, got {self.streamed_layers}")
         if self.gpu_memory_gb is not None and not (0 < self.gpu_memory_gb < math.inf):
             raise InfinigenError(f"gpu_memory_gb must be positive, got {self.gpu_memory_gb}")
         if self.resident_extra is not None and not 0 <= self.resident_extra <= 8:

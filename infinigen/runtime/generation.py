@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from infinigen.errors import InfinigenError
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.cache.graphs import capture
-from infinigen.runtime.cache.streams import side_stream
+from infinigen.runtime.streams import side_stream
 from infinigen.runtime.weights import streamed_weights
 
 

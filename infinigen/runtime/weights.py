@@ -25,19 +25,15 @@ from torch import nn
 
 from infinigen.architectures import decoder_layers
 from infinigen.errors import InfinigenError
-from infinigen.runtime.cache.streams import side_stream
+from infinigen.runtime.memory.sizing import slot_bytes, weights_ahead
+from infinigen.runtime.streams import side_stream
 
-ALIGN = 256  # bytes: each parameter's view in a slot starts on a boundary any dtype's kernels accept
 STREAMED = "_infinigen_streamed_weights"  # the model attribute naming its StreamedWeights while attached
 
 
 def layer_bytes(layer: nn.Module) -> int:
-    """A decoder layer's parameters as a slot holds them, each aligned to ``ALIGN`` bytes."""
-    return sum(_aligned(p.numel() * p.element_size()) for p in layer.parameters())
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+    """A decoder layer's parameters as a slot holds them."""
+    return slot_bytes(p.numel() * p.element_size() for p in layer.parameters())
 
 
 class StreamedWeights:
@@ -95,7 +91,7 @@ class StreamedWeights:
             for p in self.hosts[k]:
                 nbytes = p.numel() * p.element_size()
                 views.append(self.slots[slot][offset : offset + nbytes].view(p.dtype).view(p.shape))
-                offset += _aligned(nbytes)
+                offset += slot_bytes([nbytes])
             self.views[slot, k] = views
         return self.views[slot, k]
 
@@ -173,3 +169,16 @@ class StreamedWeights:
 def streamed_weights(model: nn.Module) -> StreamedWeights | None:
     """The model's attached ``StreamedWeights``, if any."""
     return getattr(model, STREAMED, None)
+
+
+def weights_for_run(model: nn.Module, config, device: torch.device, ranks: int = 1) -> StreamedWeights | None:
+    """The last ``config.streamed_layers`` decoder layers streamed for one run (a cache's lifetime), or None
+    where none are to stream or the caller streams the model's weights already (the command line does,
+    once a process)."""
+    n = len(decoder_layers(model))
+    streamed = min(config.streamed_layers or 0, n)
+    if not streamed or streamed_weights(model) is not None:
+        return None
+    if ranks > 1:
+        raise InfinigenError("streamed weights run in one process: not under tensor parallelism")
+    return StreamedWeights(model, range(n - streamed, n), device, weights_ahead(config.policy))

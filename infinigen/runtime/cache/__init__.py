@@ -2,10 +2,11 @@
 forward. Its per-layer caches (``layers``: dense, offloaded; ``sliding``: window rings), the attention
 function transformers calls (``attention``), the forward hooks that connect a cache to its model and
 remove themselves with the last cache (``hooks``), the CUDA graphs of selections and steps
-(``graphs``), the side streams (``streams``), counters and the run's summary (``stats``), and the
+(``graphs``), counters and the run's summary (``stats``), and the
 diagnostics switches of ``bench --breakdown`` / ``eval --recall`` (``diagnostics``). It owns a
 cache's lifetime: it builds pools (``memory``) and policies (``selection``) and orders their work on
-the streams."""
+the side streams (``runtime.streams``); where the plan streams weights (``RuntimeConfig.streamed_layers``)
+and the caller does not, it streams them for its lifetime (``runtime.weights``)."""
 
 from infinigen.runtime.cache.cache import InfinigenCache
 

@@ -26,7 +26,6 @@ from infinigen.runtime.cache.hooks import attach
 from infinigen.runtime.cache.layers import DenseLayer, Fetched, OffloadedLayer
 from infinigen.runtime.cache.sliding import SlidingLayer
 from infinigen.runtime.cache.stats import bits_moved, summarize
-from infinigen.runtime.cache.streams import side_stream
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.memory import plan, reuse
 from infinigen.runtime.memory.host_memory import HostBlocks
@@ -35,6 +34,8 @@ from infinigen.runtime.memory.sizing import blocks_ahead, offloaded_layer_indice
 from infinigen.runtime.selection.allocation import offloaded_budgets
 from infinigen.runtime.selection.policies import Selection, make_policy, supported_policy
 from infinigen.runtime.selection.speculation import LayerSpeculator
+from infinigen.runtime.streams import side_stream
+from infinigen.runtime.weights import layer_bytes, weights_for_run
 from infinigen.tensor_parallel import head_shard, weight_bytes
 
 
@@ -47,11 +48,9 @@ class InfinigenCache(Cache):
         self.offloaded_indices = offloaded_layer_indices(model.config, config.dense_layers, self.policy_type.offloads)
         self.n_offloaded = len(self.offloaded_indices)
         blocks = decoder_layers(model)
-        # under tensor parallelism, the heads this rank computes (every head in one process); refuses
-        # KV heads that do not divide by the ranks before a forward fails on them
+        # the heads this rank computes (all in one process); refuses KV heads the ranks do not divide
         self.shard = head_shard(blocks[0].self_attn, self.spec.head_dim)
-        # each offloaded layer runs with its own share of the budget (``allocation``), from the whole
-        # artifact (every head's statistics) on every tensor-parallel rank: the shares one process gives
+        # each offloaded layer's share of the budget (``allocation``), from the whole artifact on every rank
         self.layer_budgets, self.allocation = offloaded_budgets(
             config.budget, config.allocation, artifact if self.policy_type.budgeted else None, self.offloaded_indices
         )
@@ -76,14 +75,13 @@ class InfinigenCache(Cache):
         self.capturing = False  # a decode step is being captured: no host work that a replay would skip
         self.replayed_steps = 0  # decode steps run as graph replays (the last one's waits are timed)
         self.diagnostics = Diagnostics()
-        # row reuse (budgeted policies only; None: not applicable): on / off as asked, or auto, decided at
-        # the first prefill (``measure_reuse_room``) and each time the pools grow (``reuses``)
+        # row reuse (budgeted policies only): as asked, or auto at the first prefill and as the pools grow
         self.reuse: reuse.Decision | None = None
         self.reuse_auto = False  # an auto decision still to make, or to check again as the pools grow
         self.gpu_budget: int | None = None  # the budget auto reuse plans within, from the first prefill
         self.expected_tokens = 0  # what the run will cache per row, where its decode loop says (``expect``)
         # what the plan reads of the model: its config and its weights (every tensor-parallel rank's)
-        self.planned = plan.Model(model.config, weight_bytes(model) * self.shard.ranks)
+        self.planned = plan.Model(model.config, weight_bytes(model) * self.shard.ranks, max(map(layer_bytes, blocks)))
         self.reuse_capacity = 0  # the pool capacity of the latest auto decision
         self.resident_extra = 0.0  # ``RuntimeConfig.resident_extra`` as it applies: 0 without row reuse
         if self.policy_type.budgeted:
@@ -94,6 +92,8 @@ class InfinigenCache(Cache):
                 self.reuse = reuse.Decision(False, "auto: limited CPU pool")
             else:
                 self.reuse, self.reuse_auto = reuse.Decision(False, "auto: no decode step yet"), True
+        streamed = weights_for_run(model, config, self.device, self.shard.ranks)
+        self.streamed = weakref.finalize(self, streamed.close) if streamed is not None else None
         # last: a cache that failed to initialise leaves nothing on the model
         self._detach = weakref.finalize(self, attach(model, self))
 
@@ -121,6 +121,8 @@ class InfinigenCache(Cache):
         """Disconnect from the model (also done when the cache is collected): its hooks go with the
         model's last cache, and no forward can use this one any more. The summary stays readable."""
         self._detach()
+        if self.streamed is not None:  # the weights it streamed, restored
+            self.streamed()
 
     @property
     def closed(self) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from infinigen.runtime.cache.streams import side_stream
+from infinigen.runtime.streams import side_stream
 
 if TYPE_CHECKING:
     from infinigen.architectures import Norm

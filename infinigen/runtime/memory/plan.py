@@ -29,12 +29,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from infinigen.architectures import model_spec, sliding_windows
+from infinigen.architectures import decoder_layers, model_spec, sliding_windows
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.kernels.chunk_attention import ALIGN
 from infinigen.runtime.memory import host_memory, reuse
 from infinigen.runtime.memory.pool import row_bytes
-from infinigen.runtime.memory.sizing import host_pool_size, offloaded_layer_indices
+from infinigen.runtime.memory.sizing import host_pool_size, offloaded_layer_indices, slot_bytes, weight_slots
 from infinigen.runtime.selection.policies import policy_class
 from infinigen.runtime.selection.policies.base import rows_bound
 from infinigen.runtime.selection.speculation import padded_channels
@@ -70,6 +70,7 @@ class Model:
 
     config: object  # transformers' config
     weight_bytes: int  # the parameters in the plan's dtype
+    layer_bytes: int = 0  # the largest decoder layer's parameters, in a streaming slot (0: none streams)
 
     @property
     def spec(self):
@@ -96,11 +97,14 @@ def model_of(config, dtype: torch.dtype) -> Model:
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            _COUNTS[key] = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    return Model(config, _COUNTS[key] * dtype.itemsize)
+            model = AutoModelForCausalLM.from_config(config)
+        layers = [[p.numel() for p in layer.parameters()] for layer in decoder_layers(model)]
+        _COUNTS[key] = sum(p.numel() for p in model.parameters()), max(layers, key=sum)
+    count, layer = _COUNTS[key]
+    return Model(config, count * dtype.itemsize, slot_bytes(n * dtype.itemsize for n in layer))
 
 
-_COUNTS: dict[str, int] = {}  # parameters by config: a sweep plans one model many times
+_COUNTS: dict[str, tuple[int, list[int]]] = {}  # parameters, the largest layer's: a sweep plans a model often
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,12 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
     block = config.block_tokens
     capacity = -(-work.tokens // block) * block  # an offloaded pool's slots (whole blocks)
     kv_row = kv * d * 2 * e  # one token's K and V of every KV head of one batch row, on the GPU
-    parts = [Part("weights", "gpu", model.weight_bytes // ranks)]
+    streamed = min(config.streamed_layers or 0, spec.n_layers)
+    parts = [Part("weights", "gpu", model.weight_bytes // ranks - streamed * model.layer_bytes)]
+    if streamed:
+        slots = weight_slots(config.policy, streamed) * model.layer_bytes
+        parts.append(Part("weights: streaming slots", "gpu", slots))
+        parts.append(Part("weights: streamed layers", "host", streamed * model.layer_bytes))
     # at the run's length from the start: the decode loops tell the cache (``InfinigenCache.expect``)
     parts.append(Part("dense layers' KV", "gpu", len(dense) * batch * kv_row * work.tokens))
     sliding = sum(min(w, work.tokens) for w in windows if w is not None)
@@ -264,7 +273,26 @@ def plan(
         tried = MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
         if tried.fits:
             return tried
-    return tried
+    streams = config.streamed_layers is None and model.layer_bytes and opts.get("ranks", 1) == 1
+    return (streams and _streamed(model, dtype, work, config, budget, policy, auto_reuse, reuse_on, **opts)) or tried
+
+
+def _streamed(model: Model, dtype, work: Workload, config: RuntimeConfig, budget: int, policy, *flags, **opts):
+    """The last resort: the fewest streamed decoder layers with which the most shed settings fit, then at that
+    count the most asked settings that fit (a streamed layer's weights cross the bus at every forward)."""
+    auto_reuse, reuse_on = flags
+    candidates = list(_candidates(config, policy, work, auto_reuse, reuse_on))
+
+    def planned(settings, reused, workload, streamed: int) -> MemoryPlan:
+        settings = replace(settings, streamed_layers=streamed)
+        parts = plan_parts(model, dtype, workload, settings, reused, **opts)
+        shed = tuple(_shed_steps(config, settings, reuse_on, reused, work, workload))
+        return MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
+
+    fewest = next((n for n in range(1, model.spec.n_layers + 1) if planned(*candidates[-1], n).fits), None)
+    if fewest is None:
+        return None
+    return next(found for found in (planned(*c, fewest) for c in candidates) if found.fits)
 
 
 def _candidates(config: RuntimeConfig, policy, work: Workload, auto_reuse: bool, reuse_on: bool):
@@ -299,6 +327,8 @@ def _shed_steps(asked, settings, reused_asked: bool, reused: bool, work: Workloa
         yield f"dense layers: {settings.dense_layers}"
     if workload.prefill_chunk != work.prefill_chunk:
         yield f"prefill chunk: {workload.prefill_chunk} tokens"
+    if settings.streamed_layers and not asked.streamed_layers:
+        yield f"weights: {settings.streamed_layers} decoder layers streamed from host memory"
 
 
 def resident_room(
@@ -427,15 +457,17 @@ def gb(nbytes: float) -> float:
 
 def step_floor_ms(plan_: MemoryPlan, model: Model, dtype: torch.dtype, bandwidth_gb_s: float | None) -> float | None:
     """A decode step's lower bound from the host->device bytes it must move (``bandwidth_gb_s``, measured):
-    the budget's share of every offloaded row (all of them for ``full``), none for ``dense``."""
+    the budget's share of every offloaded row (all of them for ``full``, none for ``dense``) and every
+    streamed layer's weights."""
     if bandwidth_gb_s is None:
         return None
     policy = policy_class(plan_.policy)
-    if not policy.offloads:
-        return 0.0
     spec, work, config = model.spec, plan_.workload, plan_.config
+    weights = min(config.streamed_layers or 0, spec.n_layers) * model.layer_bytes
+    if not policy.offloads:
+        return weights / (bandwidth_gb_s * 1e9) * 1e3
     offloaded = len(offloaded_layer_indices(model.config, config.dense_layers, True))
     share = config.budget if policy.budgeted else 1.0
     rows = offloaded * work.batch * spec.n_kv_heads * math.ceil(share * work.tokens)
-    nbytes = rows * row_bytes(spec.head_dim, dtype, policy.codec, config.kv_bits)
+    nbytes = rows * row_bytes(spec.head_dim, dtype, policy.codec, config.kv_bits) + weights
     return nbytes / (bandwidth_gb_s * 1e9) * 1e3

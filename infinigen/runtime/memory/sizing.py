@@ -5,6 +5,7 @@ the first prefill does not wait for its blocks: ``infinigen generate`` does this
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +84,24 @@ def host_pool_size(model_config, batch: int, tokens: int, dtype: torch.dtype, ra
     tokens = tokens if limit is None else min(tokens, limit)
     per_layer = -(-tokens // config.block_tokens)
     return PoolSize(n_offloaded * per_layer, batch * kv_heads * config.block_tokens * rows)
+
+
+WEIGHT_ALIGN = 256  # bytes: each parameter's view in a weight slot starts where any dtype's kernels accept it
+
+
+def slot_bytes(sizes: Iterable[int]) -> int:
+    """Tensors of these byte sizes in one streamed-weight slot (``runtime.weights``), each aligned."""
+    return sum(-(-nbytes // WEIGHT_ALIGN) * WEIGHT_ALIGN for nbytes in sizes)
+
+
+def weights_ahead(policy: str) -> int:
+    """Streamed layers kept in their slots beyond the running one: 1 where a decode step's selection reads
+    the next layer's query projection during this one (policies that select one layer ahead), else 0."""
+    kind = policy_class(policy)
+    return 1 if kind.offloads and kind.lookahead else 0
+
+
+def weight_slots(policy: str, streamed: int) -> int:
+    """The device slots of ``streamed`` streamed layers (``runtime.weights``): the running layer, those kept
+    ahead and the one being copied, never more than there are."""
+    return min(weights_ahead(policy) + 2, streamed)
