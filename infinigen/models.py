@@ -243,7 +243,9 @@ def model_tokenizer(name: str | None = None) -> tuple[PretrainedConfig, PreTrain
 
 
 # called with the model's config, its tokenizer, the dtype and the device the weights will load in
-BeforeWeights = Callable[[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype, torch.device], None]
+# its planned settings (or None): where they stream weights, the model loads in host memory and only the
+# rest goes to the device (``runtime.weights.place_weights``)
+BeforeWeights = Callable[[PretrainedConfig, PreTrainedTokenizerBase, torch.dtype, torch.device], object]
 
 
 def load_model(
@@ -256,7 +258,8 @@ def load_model(
     """Load MODEL (see module docstring) in eval mode on ``device`` with ``dtype``; under torchrun
     (``WORLD_SIZE`` > 1) sharded over the ranks by transformers' tensor parallelism.
     ``before_weights(config, tokenizer, dtype, device)`` runs once both are loaded, before the weights (work
-    that may run beside their loading: ``infinigen generate`` starts pinning its pools there)."""
+    that may run beside their loading: ``infinigen generate`` plans and starts pinning its pools there); the
+    settings it returns, if they stream weights, keep the streamed layers in host memory."""
     device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, device)
     target, kwargs, source = locate(name)
@@ -269,11 +272,16 @@ def load_model(
         model_spec(config)
         sharding = loading_arguments(config, ranks) if ranks > 1 else {}
         tokenizer = _tokenizer(target, kwargs, config)
+    planned = None
     if before_weights is not None:  # its own errors are its own, not the loading's
-        before_weights(config, tokenizer, torch_dtype, torch.device(device))
+        planned = before_weights(config, tokenizer, torch_dtype, torch.device(device))
     with _load_errors(source):
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype, **kwargs, **sharding)
-    if not sharding:  # a sharded model is on its rank's device already (transformers binds LOCAL_RANK's)
+    if getattr(planned, "streamed_layers", None) and not sharding:
+        from infinigen.runtime.weights import place_weights
+
+        place_weights(model, device, planned)
+    elif not sharding:  # a sharded model is on its rank's device already (transformers binds LOCAL_RANK's)
         model.to(device)
     model.eval()
     revision = getattr(model.config, "_commit_hash", None) if source.kind == "hub" else None

@@ -5,15 +5,17 @@ as it was found."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import invoke, tiny_model
 from helpers import EXACT, greedy, padded_batch, tiny_setup
 
 from infinigen.architectures import decoder_layers
 from infinigen.errors import InfinigenError
-from infinigen.runtime import cache_for
-from infinigen.runtime.weights import StreamedWeights, layer_bytes, streamed_weights
+from infinigen.runtime import RuntimeConfig, cache_for
+from infinigen.runtime.weights import StreamedWeights, layer_bytes, place_weights, streamed_weights
 
 PROMPTS = [[5, 9, 23, 7, 41, 3, 11, 60, 2, 17, 33, 8], [14, 6, 90, 21, 4, 12, 44]]
 
@@ -112,3 +114,37 @@ def test_a_cache_streams_the_weights_its_plan_streams_and_restores_them(tokenize
                 assert streamed_weights(model) is ours
                 assert torch.equal(greedy(model, inputs, cache), dense)
             assert streamed_weights(model) is ours
+
+
+def test_a_model_in_host_memory_is_placed_without_its_streamed_layers(tokenizer, device):
+    """``place_weights``: everything but the streamed layers goes to the device, those stream from host
+    memory; the tokens are the resident model's."""
+    model = tiny_model("qwen2")
+    inputs = padded_batch(PROMPTS, 1, device)
+    with torch.no_grad():
+        resident = greedy(tiny_model("qwen2").to(device), inputs)
+        weights = place_weights(model, device, RuntimeConfig(policy="full", streamed_layers=2))
+        blocks = decoder_layers(model)
+        assert weights.order == [1, 2] and all(p.device.type == "cpu" for b in blocks[1:] for p in b.parameters())
+        others = [
+            p for name, p in model.named_parameters() if not name.startswith(("model.layers.1.", "model.layers.2."))
+        ]
+        assert all(p.device.type == torch.device(device).type for p in others)
+        assert torch.equal(greedy(model, inputs), resident)
+        weights.close()
+
+
+def test_generate_streams_the_layers_asked_and_says_so(prepared):
+    """``infinigen generate --streamed-layers N``: the model loads with its last N layers in host memory
+    (streamed), the same text as with none, the plan's summary saying so."""
+    folder, out = prepared("llama")
+    args = ("generate", str(folder), "--artifact", str(out), "--prompt", "the house was old and the street")
+    args += ("--device", "cpu", "--max-new-tokens", "6", "--json")
+    resident, streamed = invoke(*args), invoke(*args, "--streamed-layers", "2")
+    assert resident.exit_code == 0 and streamed.exit_code == 0, streamed.output
+    report = json.loads(streamed.stdout)
+    assert report["outputs"] == json.loads(resident.stdout)["outputs"]
+    assert report["stats"]["memory_plan"]["streamed_layers"] == 2
+    assert json.loads(resident.stdout)["stats"]["memory_plan"]["streamed_layers"] == 0
+    refused = invoke(*args, "--streamed-layers", "-1")
+    assert refused.exit_code == 2 and "streamed_layers must be 0 or more" in refused.output

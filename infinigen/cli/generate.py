@@ -93,7 +93,7 @@ def generate(
         return
     planned: list[memory.MemoryPlan] = []
 
-    def plan_and_pin(model_config, tokenizer, torch_dtype: torch.dtype, on: torch.device) -> None:
+    def plan_and_pin(model_config, tokenizer, torch_dtype: torch.dtype, on: torch.device) -> RuntimeConfig | None:
         """Before the weights load: the memory plan (a run that cannot fit is refused here), then the
         prompts' pools pinned on worker threads while the weights load: a process's first prefill would
         otherwise wait for its blocks (BENCHMARKS.md, "Prefill")."""
@@ -111,6 +111,7 @@ def generate(
         size = host_pool_size(model_config, len(prompts), tokens, torch_dtype, world_size(), **vars(found.config))
         if size.blocks:
             reserve_host_memory(size.reservation_bytes(), on)
+        return found.config  # its streamed layers, if any, load in host memory
 
     loaded = load_model(model, device=device, dtype=dtype, before_weights=plan_and_pin)
     checked = open_artifact(artifact, loaded.model) if artifact is not None else None

@@ -182,3 +182,21 @@ def weights_for_run(model: nn.Module, config, device: torch.device, ranks: int =
     if ranks > 1:
         raise InfinigenError("streamed weights run in one process: not under tensor parallelism")
     return StreamedWeights(model, range(n - streamed, n), device, weights_ahead(config.policy))
+
+
+def place_weights(model: nn.Module, device: torch.device | str, config) -> StreamedWeights | None:
+    """A model loaded in host memory, onto ``device``: every parameter and buffer but those of the layers
+    ``config`` streams, which stream from here on (for the process: the model keeps them streamed). The
+    whole model never needs to fit on the device."""
+    device = torch.device(device)
+    layers = decoder_layers(model)
+    streamed = min(config.streamed_layers or 0, len(layers))
+    kept = {id(p) for layer in layers[len(layers) - streamed :] for p in layer.parameters()}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and id(param) not in kept:
+                param.data = param.data.to(device)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    return weights_for_run(model, config, device)

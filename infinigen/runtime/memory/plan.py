@@ -366,6 +366,7 @@ def summary(found: MemoryPlan) -> dict:
         "planned_peak_gpu_gb": gb(found.peak_gpu),
         "planned_host_gb": gb(found.host),
         "given_up": "; ".join(found.shed) or None,
+        "streamed_layers": found.config.streamed_layers or 0,
     }
 
 
