@@ -148,3 +148,25 @@ def test_generate_streams_the_layers_asked_and_says_so(prepared):
     assert json.loads(resident.stdout)["stats"]["memory_plan"]["streamed_layers"] == 0
     refused = invoke(*args, "--streamed-layers", "-1")
     assert refused.exit_code == 2 and "streamed_layers must be 0 or more" in refused.output
+
+
+def test_bench_builds_a_random_shape_with_its_streamed_layers_in_host_memory():
+    """``bench --shape S --streamed-layers N``: the random model is made with its last N layers in host
+    memory (never whole on the device), every case of ours plans and runs with them, transformers' caches
+    run over the same streamed model; the streamed model's buffers are a usual build's."""
+    from infinigen.bench.shapes import random_model
+
+    settings = RuntimeConfig(policy="full", streamed_layers=2)
+    model = random_model("tiny-llama", "cpu", torch.float32, streamed=settings)
+    usual = random_model("tiny-llama", "cpu", torch.float32)
+    assert streamed_weights(model).order == [2, 3] and not any(p.is_meta for p in model.parameters())
+    assert all(torch.equal(b, dict(usual.named_buffers())[n]) for n, b in model.named_buffers())
+    streamed_weights(model).close()
+    args = ("bench", "--shape", "tiny-llama", "--sizes", "2x64", "--policy", "dense,full,infinigen,hf-dynamic")
+    result = invoke(
+        *args, "--gen-len", "3", "--device", "cpu", "--dtype", "float32", "--streamed-layers", "2", "--json"
+    )
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["results"]
+    assert all(row.get("error") is None and row["ms_per_step"] > 0 for row in rows)
+    assert [row["streamed_layers"] for row in rows if row["policy"] != "hf-dynamic"] == [2, 2, 2]

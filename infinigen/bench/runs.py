@@ -431,7 +431,10 @@ def load_subject(
     device: str,
     dtype: str | None,
     layers: int | None = None,
+    streamed: RuntimeConfig | None = None,
 ) -> Subject:
+    """The model of a sweep: random weights of ``shape``, or ``model`` with its artifact and text; with
+    ``streamed``, its streamed layers kept in host memory from the start."""
     from infinigen.artifacts import open_artifact
     from infinigen.bench.shapes import random_model
     from infinigen.eval.decoding import read_text
@@ -440,10 +443,10 @@ def load_subject(
     if model is None:
         if artifact is not None or text is not None:
             raise InfinigenError("--artifact and --text go with --model (random shapes calibrate their own artifacts)")
-        return Subject(random_model(shape, device, parse_dtype(dtype, device), layers), shape)
+        return Subject(random_model(shape, device, parse_dtype(dtype, device), layers, streamed), shape)
     if layers is not None:
         raise InfinigenError("--layers goes with --shape (a real model has its own layers)")
-    loaded = load_model(model, device=device, dtype=dtype)
+    loaded = load_model(model, device=device, dtype=dtype, before_weights=lambda *_: streamed)
     checked = open_artifact(artifact, loaded.model) if artifact is not None else None
     text_ids = loaded.tokenizer(read_text(text), return_tensors="pt").input_ids[0] if text is not None else None
     return Subject(loaded.model, None, checked, text_ids)

@@ -4,12 +4,15 @@ on its own), and artifacts calibrated for them."""
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from infinigen.errors import InfinigenError
+from infinigen.runtime.config import RuntimeConfig
 from infinigen.tensor_parallel import loading_arguments, world_size
 
 SHAPES: dict[str, dict] = {
@@ -131,16 +134,73 @@ def shape_config(shape: str, layers: int | None = None, positions: int | None = 
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def random_model(shape: str, device: str, dtype: torch.dtype, layers: int | None = None) -> PreTrainedModel:
+def random_model(
+    shape: str, device: str, dtype: torch.dtype, layers: int | None = None, streamed: RuntimeConfig | None = None
+) -> PreTrainedModel:
     """Random weights of ``shape`` on ``device``; under torchrun sharded over the ranks (their devices).
     ``layers``: this many decoder layers, each of the shape's size, instead of the shape's count (a
-    70B shape's prefill at 128K tokens takes minutes; a decode step and its memory grow by layer)."""
+    70B shape's prefill at 128K tokens takes minutes; a decode step and its memory grow by layer).
+    ``streamed``: settings whose ``streamed_layers`` stay in host memory, streamed from then on."""
     config = shape_config(shape, layers)
     if world_size() > 1:
         return _sharded_random_model(config, dtype)
+    if streamed is not None and streamed.streamed_layers:
+        return _streamed_random_model(config, device, dtype, streamed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def _streamed_random_model(config, device: str, dtype: torch.dtype, settings: RuntimeConfig) -> PreTrainedModel:
+    """Random weights where the plan keeps them: the last ``settings.streamed_layers`` decoder layers in
+    (pinned) host memory, streamed from then on, the rest on ``device``. Built on the meta device and made
+    in place, so the whole model never exists in one place (a 70B shape exceeds the host memory too); its
+    buffers (rotary tables) from a one-layer copy built as usual."""
+    from infinigen.architectures import decoder_layers
+    from infinigen.runtime.weights import weights_for_run
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    small = AutoModelForCausalLM.from_config(_one_layer(config), dtype=dtype)
+    blocks = decoder_layers(model)
+    on_host = {id(p) for block in blocks[len(blocks) - settings.streamed_layers :] for p in block.parameters()}
+    pinned = torch.device(device).type == "cuda"
+    made: dict[int, nn.Parameter] = {}  # tied weights made once
+    std = getattr(config, "initializer_range", 0.02)
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        owner, _, leaf = name.rpartition(".")
+        if id(param) not in made:
+            host = id(param) in on_host
+            data = torch.empty(param.shape, dtype=dtype, device="cpu" if host else device, pin_memory=host and pinned)
+            random = torch.empty(param.shape, dtype=dtype, device=device)  # made on the device: fast
+            if param.dim() > 1:
+                random.normal_(0.0, std)
+            else:  # norms' weights 1, biases 0
+                random.fill_(1.0 if "norm" in name else 0.0)
+            data.copy_(random)
+            made[id(param)] = nn.Parameter(data, requires_grad=False)
+        setattr(model.get_submodule(owner), leaf, made[id(param)])
+    small_buffers = dict(small.named_buffers())
+    for name, _ in list(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        source = small_buffers[_first_layer(name)]
+        model.get_submodule(owner).register_buffer(leaf, source.to(device), persistent=False)
+    weights_for_run(model, settings, torch.device(device))
+    return model.eval()
+
+
+def _one_layer(config):
+    """``config`` with one decoder layer (its kind the first layer's)."""
+    small = type(config).from_dict(config.to_dict())
+    small.num_hidden_layers = 1
+    if getattr(small, "layer_types", None):
+        small.layer_types = small.layer_types[:1]
+    return small
+
+
+def _first_layer(name: str) -> str:
+    """A buffer's name in the one-layer copy: a decoder layer's as layer 0's."""
+    return re.sub(r"\.layers\.\d+\.", ".layers.0.", name)
 
 
 def _sharded_random_model(config, dtype: torch.dtype) -> PreTrainedModel:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -156,8 +157,18 @@ def bench(
     if reserve_host_gb:
         reserved = host_memory.reserve_host_memory(int(reserve_host_gb * 1e9), torch.device(device))
     budget = memory.budget_bytes(gpu_memory_gb, torch.device(device))
-    _weights_fit(shape, model, layers, dtype, device, budget)
-    subject = load_subject(shape, model, artifact, None if text is None else str(text), device, dtype, layers)
+    grid = settings_grid(runtime)
+    chunk = prefill_chunk or None
+    cases = [
+        case
+        for b, n in pairs
+        for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios, prefill_chunk=chunk)
+    ]
+    streamed = _streamed(shape, model, layers, dtype, device, budget, cases)
+    if streamed is not None:  # every case of ours runs with them: its plan counts them
+        cases = [replace(c, runtime=c.runtime | {"streamed_layers": streamed.streamed_layers}) for c in cases]
+    text = None if text is None else str(text)
+    subject = load_subject(shape, model, artifact, text, device, dtype, layers, streamed)
     loaded_s = time.perf_counter() - start
     for region in reserved:  # pinned before anything is timed
         region.result()
@@ -185,13 +196,6 @@ def bench(
         if not printed_json(report, as_json):
             _print_micro(report)
         return
-    grid = settings_grid(runtime)
-    chunk = prefill_chunk or None
-    cases = [
-        case
-        for b, n in pairs
-        for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios, prefill_chunk=chunk)
-    ]
     artifacts = subject_artifacts(subject, cases)
     bandwidth = pinned_bandwidth(device)
     report["pinned_h2d_gb_s"] = round(bandwidth, 1) if bandwidth is not None else None
@@ -236,21 +240,35 @@ def _occupied(gpu_memory_gb: float | None, device: str):
     return Occupier(gpu_memory_gb, device)
 
 
-def _weights_fit(shape: str, model: str | None, layers: int | None, dtype: str, device: str, budget) -> None:
-    """Refuse, before anything is built, a model whose weights alone exceed the budget."""
-    if budget is None:
-        return
+def _streamed(shape: str, model: str | None, layers: int | None, dtype: str, device: str, budget, cases: list):
+    """The settings whose decoder layers stay in host memory for the whole sweep, or None: as asked
+    (--streamed-layers), else the most any case of ours streams under the budget (none where every case
+    fits with the weights on the GPU). Refuses, before anything is built, weights that fit no way."""
     from infinigen.bench.shapes import shape_config
     from infinigen.models import model_config, parse_dtype
+    from infinigen.runtime.config import RuntimeConfig
     from infinigen.runtime.memory import plan as memory
+    from infinigen.runtime.memory.sizing import weights_ahead
 
+    ours = [case for case in cases if case.ours]
     config = model_config(model) if model is not None else shape_config(shape, layers)
-    weights = memory.model_of(config, parse_dtype(dtype, device)).weight_bytes
-    if weights > budget:
+    torch_dtype = parse_dtype(dtype, device)
+    subject = memory.model_of(config, torch_dtype)
+    counts = []
+    for case in ours:
+        work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
+        found = memory.plan(subject, torch_dtype, work, case.config, budget)
+        counts.append((found.config.streamed_layers or 0) if found.fits else 0)
+    count = max(counts, default=0)
+    if budget is not None and not count and subject.weight_bytes > budget:
         raise InfinigenError(
-            f"the weights alone ({memory.gb(weights)} GB) exceed the GPU budget ({memory.gb(budget)} GB): "
-            "weights in host memory are not supported yet"
+            f"the weights alone ({memory.gb(subject.weight_bytes)} GB) exceed the GPU budget ({memory.gb(budget)} "
+            "GB), and no case fits with any of their layers streamed from host memory"
         )
+    if not count:
+        return None
+    policy = max((case.policy for case in ours), key=weights_ahead)  # the most slots any case needs
+    return RuntimeConfig(policy=policy, streamed_layers=count)
 
 
 def _run(
