@@ -106,9 +106,12 @@ def test_a_cache_streams_the_weights_its_plan_streams_and_restores_them(tokenize
         dense = greedy(model, inputs)
         with cache_for(model, artifact, streamed_layers=2, **EXACT) as cache:
             assert streamed_weights(model).order == [1, 2]
+            assert not cache.graphs  # a captured step or selection would keep the slot each layer had then
             assert torch.equal(greedy(model, inputs, cache), dense)
         assert streamed_weights(model) is None
         assert all(p.device == before[name][0] for name, p in model.named_parameters())
+        with cache_for(model, artifact, **EXACT) as cache:
+            assert cache.graphs
         with StreamedWeights(model, [0, 1, 2], device) as ours:
             with cache_for(model, artifact, streamed_layers=2, **EXACT) as cache:
                 assert streamed_weights(model) is ours

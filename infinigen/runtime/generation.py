@@ -24,7 +24,6 @@ from infinigen.errors import InfinigenError
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.cache.graphs import capture
 from infinigen.runtime.streams import side_stream
-from infinigen.runtime.weights import streamed_weights
 
 
 def cache_argument(model: PreTrainedModel) -> str:
@@ -58,8 +57,6 @@ class StepGraph:
         try:
             cache.begin_decode_step()
             signature = cache.step_signature()
-            if streamed_weights(self.model) is not None:  # a graph would replay one slot per layer, uncopied
-                return self._eager(tokens, positions)
             if signature is None or signature != self.signature:
                 self.graph, self.signature = None, signature  # a new capacity: run eagerly, capture next time
                 return self._eager(tokens, positions)

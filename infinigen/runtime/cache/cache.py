@@ -35,7 +35,7 @@ from infinigen.runtime.selection.allocation import offloaded_budgets
 from infinigen.runtime.selection.policies import Selection, make_policy, supported_policy
 from infinigen.runtime.selection.speculation import LayerSpeculator
 from infinigen.runtime.streams import side_stream
-from infinigen.runtime.weights import layer_bytes, weights_for_run
+from infinigen.runtime.weights import layer_bytes, streamed_weights, weights_for_run
 from infinigen.tensor_parallel import head_shard, weight_bytes
 
 
@@ -94,6 +94,7 @@ class InfinigenCache(Cache):
                 self.reuse, self.reuse_auto = reuse.Decision(False, "auto: no decode step yet"), True
         streamed = weights_for_run(model, config, self.device, self.shard.ranks)
         self.streamed = weakref.finalize(self, streamed.close) if streamed is not None else None
+        self.graphs = config.cuda_graphs and streamed_weights(model) is None  # a graph would keep one slot a layer
         # last: a cache that failed to initialise leaves nothing on the model
         self._detach = weakref.finalize(self, attach(model, self))
 
@@ -230,12 +231,11 @@ class InfinigenCache(Cache):
         self.slot.fill_(self.get_seq_length())
 
     def step_signature(self) -> tuple | None:
-        """What a CUDA graph of the next decode step depends on (the buffers' capacities), or None
-        where the step cannot be captured: a buffer grows in it, or CPU, graphs off, a limited pool, a
-        diagnostic that needs the host at every step."""
+        """What a CUDA graph of the next decode step depends on (the buffers' capacities), or None where
+        it cannot be captured: a buffer grows, CPU, graphs off, streamed weights, a limited pool, a diagnostic."""
         capturable = (
             self.stream is not None
-            and self.config.cuda_graphs
+            and self.graphs
             and all(self._capturable(layer) for layer in self.offloaded)
             and all(layer.is_initialized and not layer.grows() for layer in self.layers)
             and self.diagnostics.decode_probe is None
@@ -252,7 +252,7 @@ class InfinigenCache(Cache):
         return not self.driven and self._capturable(layer)
 
     def _capturable(self, layer: OffloadedLayer) -> bool:
-        return self.config.cuda_graphs and self.stream is not None and layer.max_tokens is None
+        return self.graphs and self.stream is not None and layer.max_tokens is None
 
     def cached_tokens(self) -> torch.Tensor | int:
         """Tokens cached per batch row (``OffloadedLayer.cached_tokens``). In a capturable step every
