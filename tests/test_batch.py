@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -236,13 +237,25 @@ def test_cli_refusals_are_one_line(checkpoint, tmp_path):
 def test_a_ray_job_writes_one_process_rows_and_continues(checkpoint, tmp_path):
     """On a local Ray cluster of two CPU workers (each loading the model once), the driver forms the
     batches from the config and tokenizer alone: a job stopped after its first batch continues, with one
-    of its workers killed on the way (Ray restarts it and retries its batch), to one process's rows."""
+    of its workers killed on the way (Ray restarts it and retries its batch), to one process's rows. The
+    driver runs in a process of its own, as the command line's does: a test session that had been Ray's
+    driver twice ended with exit code 1 and no word in a later test (not reproduced alone)."""
     pytest.importorskip("ray.data")
+    folder = checkpoint("llama")
+    scenario = f"from test_batch import ray_scenario; ray_scenario({str(folder)!r}, {str(tmp_path)!r})"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", scenario], capture_output=True, text=True, env=env, timeout=600)
+    assert (tmp_path / "scenario-passed").exists(), done.stderr[-3000:]  # every check of the job passed
+    if done.returncode != 0:  # seen once a session: the driver ending as its local cluster shut down
+        warnings.warn(f"the Ray driver exited with {done.returncode} after its job: {done.stderr[-500:]}", stacklevel=1)
+
+
+def ray_scenario(folder: str, tmp: str) -> None:
+    """The Ray test's driver (``test_a_ray_job_writes_one_process_rows_and_continues``)."""
     from infinigen.batch.distributed import Cluster, Loading, driver_planner, run_on_ray
-    from infinigen.models import load_model
     from infinigen.runtime.text import Sampling
 
-    folder = checkpoint("llama")
+    tmp_path = Path(tmp)
     write_requests(tmp_path / "in.jsonl", 24)
     with open(tmp_path / "in.jsonl", "a") as file:
         file.write("not json\n")
@@ -264,6 +277,7 @@ def test_a_ray_job_writes_one_process_rows_and_continues(checkpoint, tmp_path):
     killer.join()
     assert not second.interrupted and second.done_before == 5 and second.written == 20 and killed
     assert results(tmp_path / "ray.jsonl") == results(tmp_path / "one.jsonl")  # the killed worker's work redone
+    (tmp_path / "scenario-passed").touch()
 
 
 def kill_a_worker(killed: list[int], seconds: float = 120) -> None:
