@@ -121,12 +121,20 @@ def run_on_ray(
             ray_remote_args_fn=lambda: {"max_restarts": RETRIES, "max_task_retries": RETRIES},
         )
         start = time.perf_counter()
-        for done in dataset.iter_rows():
-            record(work.output, json.loads(done["rows"]), progress, left.done_ids, start)
-            on_batch(progress)
-            if stop() and progress.batches < len(items):
-                progress.interrupted = True
-                break
+        rows = iter(dataset.iter_rows())
+        try:
+            for done in rows:
+                record(work.output, json.loads(done["rows"]), progress, left.done_ids, start)
+                on_batch(progress)
+                if stop() and progress.batches < len(items):
+                    progress.interrupted = True
+                    break
+        finally:
+            # a job left early still runs Ray Data's executor on its threads: shut down under them, Ray
+            # ends the whole process ("the core worker has already been shutdown"), exit code 1
+            close = getattr(rows, "close", None)
+            if close is not None:
+                close()
     finally:
         if started:
             ray.shutdown()
