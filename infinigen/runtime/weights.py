@@ -25,7 +25,7 @@ from torch import nn
 
 from infinigen.architectures import decoder_layers
 from infinigen.errors import InfinigenError
-from infinigen.runtime.memory.sizing import slot_bytes, weights_ahead
+from infinigen.runtime.memory.sizing import slot_bytes, streamed_count, weights_ahead
 from infinigen.runtime.streams import side_stream
 
 STREAMED = "_infinigen_streamed_weights"  # the model attribute naming its StreamedWeights while attached
@@ -176,7 +176,7 @@ def weights_for_run(model: nn.Module, config, device: torch.device, ranks: int =
     where none are to stream or the caller streams the model's weights already (the command line does,
     once a process)."""
     n = len(decoder_layers(model))
-    streamed = min(config.streamed_layers or 0, n)
+    streamed = streamed_count(config, n)
     if not streamed or streamed_weights(model) is not None:
         return None
     if ranks > 1:
@@ -190,7 +190,7 @@ def place_weights(model: nn.Module, device: torch.device | str, config) -> Strea
     whole model never needs to fit on the device."""
     device = torch.device(device)
     layers = decoder_layers(model)
-    streamed = min(config.streamed_layers or 0, len(layers))
+    streamed = streamed_count(config, len(layers))
     kept = {id(p) for layer in layers[len(layers) - streamed :] for p in layer.parameters()}
     for module in model.modules():
         for param in module._parameters.values():

@@ -34,7 +34,13 @@ from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.kernels.chunk_attention import ALIGN
 from infinigen.runtime.memory import host_memory, reuse
 from infinigen.runtime.memory.pool import row_bytes
-from infinigen.runtime.memory.sizing import host_pool_size, offloaded_layer_indices, slot_bytes, weight_slots
+from infinigen.runtime.memory.sizing import (
+    host_pool_size,
+    offloaded_layer_indices,
+    slot_bytes,
+    streamed_count,
+    weight_slots,
+)
 from infinigen.runtime.selection.policies import policy_class
 from infinigen.runtime.selection.policies.base import rows_bound
 from infinigen.runtime.selection.speculation import padded_channels
@@ -162,7 +168,7 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
     block = config.block_tokens
     capacity = -(-work.tokens // block) * block  # an offloaded pool's slots (whole blocks)
     kv_row = kv * d * 2 * e  # one token's K and V of every KV head of one batch row, on the GPU
-    streamed = min(config.streamed_layers or 0, spec.n_layers)
+    streamed = streamed_count(config, spec.n_layers)
     parts = [Part("weights", "gpu", model.weight_bytes // ranks - streamed * model.layer_bytes)]
     if streamed:
         slots = weight_slots(config.policy, streamed) * model.layer_bytes
@@ -266,32 +272,25 @@ def plan(
     policy = policy_class(config.policy)
     auto_reuse = policy.budgeted and config.reuse_rows == "auto" and config.cpu_pool_gb is None
     reuse_on = policy.budgeted and (config.reuse_rows == "on" or auto_reuse)
-    tried = None
-    for step, (settings, reused, workload) in enumerate(_candidates(config, policy, work, auto_reuse, reuse_on)):
-        parts = plan_parts(model, dtype, workload, settings, reused, **opts)
-        shed = tuple(_shed_steps(config, settings, reuse_on, reused, work, workload)) if step else ()
-        tried = MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
-        if tried.fits:
-            return tried
-    streams = config.streamed_layers is None and model.layer_bytes and opts.get("ranks", 1) == 1
-    return (streams and _streamed(model, dtype, work, config, budget, policy, auto_reuse, reuse_on, **opts)) or tried
 
-
-def _streamed(model: Model, dtype, work: Workload, config: RuntimeConfig, budget: int, policy, *flags, **opts):
-    """The last resort: the fewest streamed decoder layers with which the most shed settings fit, then at that
-    count the most asked settings that fit (a streamed layer's weights cross the bus at every forward)."""
-    auto_reuse, reuse_on = flags
-    candidates = list(_candidates(config, policy, work, auto_reuse, reuse_on))
-
-    def planned(settings, reused, workload, streamed: int) -> MemoryPlan:
-        settings = replace(settings, streamed_layers=streamed)
+    def planned(settings: RuntimeConfig, reused: bool, workload: Workload, streamed: int | None = None) -> MemoryPlan:
+        if streamed is not None:
+            settings = replace(settings, streamed_layers=streamed)
         parts = plan_parts(model, dtype, workload, settings, reused, **opts)
         shed = tuple(_shed_steps(config, settings, reuse_on, reused, work, workload))
         return MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
 
+    candidates = list(_candidates(config, policy, work, auto_reuse, reuse_on))
+    for candidate in candidates:
+        if (tried := planned(*candidate)).fits:
+            return tried
+    if config.streamed_layers is not None or not model.layer_bytes or opts.get("ranks", 1) > 1:
+        return tried
+    # the last resort: the fewest streamed layers with which the most shed settings fit, then at that count
+    # the most asked settings that fit (a streamed layer's weights cross the bus at every forward)
     fewest = next((n for n in range(1, model.spec.n_layers + 1) if planned(*candidates[-1], n).fits), None)
     if fewest is None:
-        return None
+        return tried
     return next(found for found in (planned(*c, fewest) for c in candidates) if found.fits)
 
 
@@ -464,7 +463,7 @@ def step_floor_ms(plan_: MemoryPlan, model: Model, dtype: torch.dtype, bandwidth
         return None
     policy = policy_class(plan_.policy)
     spec, work, config = model.spec, plan_.workload, plan_.config
-    weights = min(config.streamed_layers or 0, spec.n_layers) * model.layer_bytes
+    weights = streamed_count(config, spec.n_layers) * model.layer_bytes
     if not policy.offloads:
         return weights / (bandwidth_gb_s * 1e9) * 1e3
     offloaded = len(offloaded_layer_indices(model.config, config.dense_layers, True))

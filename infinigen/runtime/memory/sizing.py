@@ -105,3 +105,8 @@ def weight_slots(policy: str, streamed: int) -> int:
     """The device slots of ``streamed`` streamed layers (``runtime.weights``): the running layer, those kept
     ahead and the one being copied, never more than there are."""
     return min(weights_ahead(policy) + 2, streamed)
+
+
+def streamed_count(config, layers: int) -> int:
+    """The decoder layers ``config`` streams (``streamed_layers``: the last ones) of a model of ``layers``."""
+    return min(config.streamed_layers or 0, layers)
