@@ -7,8 +7,10 @@ Ray restarts a failed actor and retries its batch. ``ray`` is an optional extra 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,6 +123,7 @@ def run_on_ray(
             ray_remote_args_fn=lambda: {"max_restarts": RETRIES, "max_task_retries": RETRIES},
         )
         start = time.perf_counter()
+        threads_before = set(threading.enumerate())
         rows = iter(dataset.iter_rows())
         try:
             for done in rows:
@@ -130,12 +133,24 @@ def run_on_ray(
                     progress.interrupted = True
                     break
         finally:
-            # a job left early still runs Ray Data's executor on its threads: shut down under them, Ray
-            # ends the whole process ("the core worker has already been shutdown"), exit code 1
             close = getattr(rows, "close", None)
             if close is not None:
                 close()
+            del rows
+            gc.collect()  # the executor shuts down (its workers' tasks with it) when its iterator goes
+            _join_block_readers(threads_before)
     finally:
         if started:
             ray.shutdown()
     return progress
+
+
+def _join_block_readers(threads_before: set[threading.Thread], seconds: float = 120.0) -> None:
+    """Wait for the threads Ray Data started to read this job's blocks: after a job left early, one may
+    still wait on a batch, and a reader that reaches Ray after ``ray.shutdown`` ends the whole process
+    ("the core worker has already been shutdown", exit code 1). Its parked block prefetcher is left: it
+    waits on a condition, not on Ray."""
+    deadline = time.monotonic() + seconds
+    for thread in set(threading.enumerate()) - threads_before:
+        if thread.name != "Prefetcher":
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
