@@ -61,6 +61,42 @@ def test_chunked_prefill_reads_rows_as_the_gather_would(tokenizer, policy, setti
     assert (0, 5) in reads and (5, 8) in reads and (15, 16) in reads, "the chunks read the pool 5 slots at a time"
 
 
+def test_later_chunks_mask_only_the_blocks_that_hold_padding(tokenizer, device, monkeypatch):
+    """A left-padded batch (prompts of 13 and 23 tokens: 10 padding keys) in 8-token chunks, read back 5
+    rows a block: the blocks before the padding's end carry the mask, the rest none (the flash kernel on
+    CUDA), with the same tokens as dense."""
+    from infinigen.runtime.kernels import chunk_attention
+
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(4)).tolist() for n in (13, 23)]
+    inputs = padded_batch(prompts, pad=1, device=device)
+    expected = greedy(model, inputs, DynamicCache())
+    masked = []  # per block read by a later chunk: (its keys, whether it carries a mask, causal)
+    block_attention = chunk_attention.block_attention
+
+    def recorded(query, keys, values, allowed, scale, causal=False):
+        masked.append((keys.shape[2], allowed is not None, causal))
+        return block_attention(query, keys, values, allowed, scale, causal)
+
+    monkeypatch.setattr(chunk_attention, "block_attention", recorded)
+    cache = cache_for(model, artifact, policy="full", prefill_block_tokens=5, **EXACT)
+    out = model.generate(
+        **inputs,
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=1,
+        prefill_chunk_size=8,
+        **{cache_argument(model): cache},
+    )
+    assert torch.equal(out[:, inputs["input_ids"].shape[1] :], expected[:, :4])
+    layers = len(cache.layers)  # dense layers read their buffer in the same blocks
+    # chunk 2 (past 8): blocks 0-5, 5-8 masked, its own (8-16, padding to 10) masked;
+    # chunk 3 (past 16): 0-5, 5-10 masked, 10-15, 15-16 and its own (16-23) not
+    second = [(5, True, False), (3, True, False), (8, True, True)]
+    third = [(5, True, False), (5, True, False), (5, False, False), (1, False, False), (7, False, True)]
+    assert masked == second * layers + third * layers
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_attention_merges_to_sdpa(device, dtype):
     """A chunk's attention over blocks of keys (grouped heads, a masked key, a causal last block), merged

@@ -120,7 +120,7 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
         return out, None
     mask = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
     if mask is not None:
-        layer.mark_padding(mask[:, 0, -1, -query.shape[2] :], some_key_padded(mask))
+        layer.mark_padding(mask[:, 0, -1, -query.shape[2] :], hidden_keys(mask) > 0)
     if observes:
         layer.policy.attended(layer, None, attention_mass(query, key, mask, scale))
     past = layer.past if offloaded else key.shape[2] - query.shape[2] if isinstance(layer, DenseLayer) else 0
@@ -130,19 +130,24 @@ def infinigen_attention(module, query, key, value, attention_mask, scaling=None,
     return dense_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
-def some_key_padded(mask: torch.Tensor) -> bool:
-    """Whether a forward's mask (B, 1, T, S) hides a key from its last query, which reads every real key:
-    padding. A host sync, once a forward: every layer is given the same mask, which keeps the answer."""
-    padded = getattr(mask, "_infinigen_padded", None)
-    if padded is None:
-        padded = mask._infinigen_padded = not bool(mask[:, 0, -1].all())
-    return padded
+def hidden_keys(mask: torch.Tensor) -> int:
+    """How far into the keys a forward's mask (B, 1, T, S) hides one from some row's last query, which reads
+    every real key: the padding's end (0: no key hidden). Every key after it is read by every query after it,
+    so those blocks need no mask. A host sync, once a forward: every layer is given the same mask, which
+    keeps the answer."""
+    hidden = getattr(mask, "_infinigen_hidden", None)
+    if hidden is None:
+        hidden_columns = ~mask[:, 0, -1].all(dim=0)  # (S,)
+        positions = torch.arange(1, hidden_columns.shape[0] + 1, device=mask.device)
+        hidden = mask._infinigen_hidden = int((hidden_columns * positions).max())
+    return hidden
 
 
 def _past_and_chunk(cache, layer, key, value, mask, past: int) -> Iterator[chunk_attention.Block]:
     """A later prefill chunk's keys in blocks: the earlier tokens (an offloaded layer's from its pool, a
-    dense layer's from its buffer), then the chunk's own, causal. Masks only where some key is padding."""
-    padded = mask is not None and some_key_padded(mask)
+    dense layer's from its buffer), then the chunk's own, causal. Only blocks that hold a hidden key
+    (padding) carry the mask: the others take the flash kernel, which takes none."""
+    hidden = hidden_keys(mask) if mask is not None else 0
     if isinstance(layer, OffloadedLayer):
         earlier = pool_blocks(cache, layer, past)
         chunk_keys, chunk_values = key, value
@@ -153,9 +158,9 @@ def _past_and_chunk(cache, layer, key, value, mask, past: int) -> Iterator[chunk
         chunk_keys, chunk_values = key[:, :, past:], value[:, :, past:]
     lo = 0
     for keys, values in earlier:
-        yield keys, values, mask[:, :, :, lo : lo + keys.shape[2]] if padded else None, False
+        yield keys, values, mask[:, :, :, lo : lo + keys.shape[2]] if lo < hidden else None, False
         lo += keys.shape[2]
-    yield chunk_keys, chunk_values, mask[:, :, :, past:] if padded else None, True
+    yield chunk_keys, chunk_values, mask[:, :, :, past:] if past < hidden else None, True
 
 
 def pool_blocks(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

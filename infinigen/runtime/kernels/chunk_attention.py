@@ -4,9 +4,9 @@ gives its output and the log-sum-exp of its logits; outputs merge by those (as i
 outer loop), so the workspace is one block's, never a whole layer's KV, and never the KV repeated for
 every query head of a group.
 
-On CUDA each block runs PyTorch's flash attention kernel where every key of the block is allowed (the
-common case: no padding), else its memory-efficient kernel, which takes the block's mask as an additive
-bias; both return the log-sum-exp. Elsewhere the same in PyTorch (``block_attention``): the CPU path, and
+On CUDA each block runs PyTorch's flash attention kernel where every key of the block is allowed (every
+block after a left-padded batch's padding), else its memory-efficient kernel, which takes the block's mask
+as an additive bias; both return the log-sum-exp. Elsewhere the same in PyTorch (``block_attention``): the CPU path, and
 the tests' reference.
 """
 
