@@ -110,18 +110,22 @@ def transformers_generate(job: Job, work: Work, max_batch: int, every: int) -> d
 
 
 def phases(output: Path) -> dict:
-    """A job's prefill and decode seconds, summed over its batches (each row carries its batch's), and its
-    batches' largest measured GPU peak."""
-    batches = {}
+    """A job's prefill and decode seconds, summed over its batches (each row carries its batch's), its
+    batches' largest measured GPU peak, and its error rows' messages."""
+    batches, errors = {}, {}
     for line in output.read_text().splitlines():
-        stats = json.loads(line).get("stats")
-        if stats:
+        row = json.loads(line)
+        stats = row.get("stats", {})
+        if "batch_index" in stats:  # an error row has none (a split batch's: only its split_from)
             batches[stats["batch_index"], stats.get("split_from"), stats["batch_prefill_s"]] = stats  # halves apart
+        if "error" in row:
+            errors[row["error"]] = errors.get(row["error"], 0) + 1
     peaks = [s["batch_peak_gpu_gb"] for s in batches.values() if s["batch_peak_gpu_gb"] is not None]
     return {
         "prefill_seconds": round(sum(s["batch_prefill_s"] for s in batches.values()), 3),
         "decode_seconds": round(sum(s["batch_decode_s"] for s in batches.values()), 3),
         "largest_peak_gpu_gb": max(peaks, default=None),
+        "error_messages": errors,  # each distinct error and its rows
     }
 
 

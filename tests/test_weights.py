@@ -87,6 +87,28 @@ def test_streamed_layers_leave_the_device_until_their_turn(device):
             assert all(p.is_pinned() for b in blocks[1:] for p in b.parameters())
 
 
+def test_slots_that_do_not_fit_leave_the_model_as_found(device, monkeypatch):
+    """Out of memory for the GPU slots (the layers already moved to host memory): the error surfaces and
+    every parameter is back on its device with its values, no hooks left, nothing attached."""
+    model = tiny_model("llama").to(device)
+    before = snapshot(model)
+    empty = torch.empty
+
+    def no_room(*args, **kwargs):
+        if kwargs.get("dtype") == torch.uint8:  # a slot
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_room)
+    with pytest.raises(torch.OutOfMemoryError):
+        StreamedWeights(model, [1, 2], device, ahead=1)
+    monkeypatch.undo()
+    assert streamed_weights(model) is None
+    assert not any(block._forward_pre_hooks or block._forward_hooks for block in decoder_layers(model))
+    for name, param in model.named_parameters():
+        assert param.device == before[name][0] and torch.equal(param, before[name][2]), name
+
+
 def test_bad_streaming_requests_are_refused_in_one_line():
     model = tiny_model("llama")
     for layers, ahead, words in (([], 0, "no decoder layer"), ([3], 0, "must lie in 0..2"), ([0], -1, "ahead")):
@@ -98,7 +120,8 @@ def test_bad_streaming_requests_are_refused_in_one_line():
 
 def test_a_cache_streams_the_weights_its_plan_streams_and_restores_them(tokenizer, device):
     """``streamed_layers`` on a cache: its last layers stream while it lives (dense decoding unchanged) and
-    are back where they were after ``close()``; a model whose caller streams it already is left to it."""
+    are back where they were after ``close()``; a model whose caller streams it already is left to it, and
+    refused where it streams too few layers ahead for the policy's speculation."""
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = padded_batch(PROMPTS, 1, device)
     before = snapshot(model)
@@ -112,11 +135,14 @@ def test_a_cache_streams_the_weights_its_plan_streams_and_restores_them(tokenize
         assert all(p.device == before[name][0] for name, p in model.named_parameters())
         with cache_for(model, artifact, **EXACT) as cache:
             assert cache.graphs
-        with StreamedWeights(model, [0, 1, 2], device) as ours:
+        with StreamedWeights(model, [0, 1, 2], device, ahead=1) as ours:
             with cache_for(model, artifact, streamed_layers=2, **EXACT) as cache:
                 assert streamed_weights(model) is ours
                 assert torch.equal(greedy(model, inputs, cache), dense)
             assert streamed_weights(model) is ours
+        with StreamedWeights(model, [1, 2], device), pytest.raises(InfinigenError, match="at least 1 layer ahead"):
+            cache_for(model, artifact, **EXACT)  # its speculation would read a next layer still in host memory
+        assert all(p.device == before[name][0] for name, p in model.named_parameters())
 
 
 def test_a_model_in_host_memory_is_placed_without_its_streamed_layers(tokenizer, device):

@@ -171,14 +171,7 @@ def _streamed_random_model(config, device: str, dtype: torch.dtype, settings: Ru
         owner, _, leaf = name.rpartition(".")
         if id(param) not in made:
             host = id(param) in on_host
-            data = torch.empty(param.shape, dtype=dtype, device="cpu" if host else device, pin_memory=host and pinned)
-            random = torch.empty(param.shape, dtype=dtype, device=device)  # made on the device: fast
-            if param.dim() > 1:
-                random.normal_(0.0, std)
-            else:  # norms' weights 1, biases 0
-                random.fill_(1.0 if "norm" in name else 0.0)
-            data.copy_(random)
-            made[id(param)] = nn.Parameter(data, requires_grad=False)
+            made[id(param)] = _random_parameter(param.shape, name, dtype, device, host, pinned, std)
         setattr(model.get_submodule(owner), leaf, made[id(param)])
     small_buffers = dict(small.named_buffers())
     for name, _ in list(model.named_buffers()):
@@ -187,6 +180,20 @@ def _streamed_random_model(config, device: str, dtype: torch.dtype, settings: Ru
         model.get_submodule(owner).register_buffer(leaf, source.to(device), persistent=False)
     weights_for_run(model, settings, torch.device(device))
     return model.eval()
+
+
+def _random_parameter(shape, name: str, dtype, device: str, host: bool, pinned: bool, std: float) -> nn.Parameter:
+    """One parameter's random values, made on ``device`` (fast) and kept there or in (pinned) host memory;
+    the device copy of a host one is gone when this returns, before the next is made or the slots are."""
+    random = torch.empty(shape, dtype=dtype, device=device)
+    if random.dim() > 1:
+        random.normal_(0.0, std)
+    else:  # norms' weights 1, biases 0
+        random.fill_(1.0 if "norm" in name else 0.0)
+    if not host:
+        return nn.Parameter(random, requires_grad=False)
+    data = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+    return nn.Parameter(data.copy_(random), requires_grad=False)
 
 
 def _one_layer(config):

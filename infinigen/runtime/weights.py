@@ -64,7 +64,12 @@ class StreamedWeights:
                 param.data = host
         size = max(layer_bytes(block) for block in self.blocks)
         count = min(ahead + 2, len(self.blocks))
-        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        try:
+            self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(count)]
+        except torch.OutOfMemoryError:  # the model as it was found (its layers' GPU memory is free again)
+            self.slots = []
+            self._put_back()
+            raise
         self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (slot, streamed layer) -> its parameters
         self.stream = side_stream(self.device, "transfer") if self.cuda else None
         self.ready: list[torch.cuda.Event | None] = [None] * len(self.blocks)  # its copy into its slot done
@@ -152,12 +157,15 @@ class StreamedWeights:
         self.handles = []
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        for params, homes, hosts in zip(self.params, self.homes, self.hosts, strict=True):
-            for param, home, host in zip(params, homes, hosts, strict=True):
-                param.data = host if home.type == "cpu" else host.to(home)
+        self._put_back()
         self.slots, self.views = [], {}
         if getattr(self.model, STREAMED, None) is self:
             delattr(self.model, STREAMED)
+
+    def _put_back(self) -> None:
+        for params, homes, hosts in zip(self.params, self.homes, self.hosts, strict=True):
+            for param, home, host in zip(params, homes, hosts, strict=True):
+                param.data = host if home.type == "cpu" else host.to(home)
 
     def __enter__(self) -> StreamedWeights:
         return self
@@ -176,12 +184,17 @@ def weights_for_run(model: nn.Module, config, device: torch.device, ranks: int =
     where none are to stream or the caller streams the model's weights already (the command line does,
     once a process)."""
     n = len(decoder_layers(model))
-    streamed = streamed_count(config, n)
-    if not streamed or streamed_weights(model) is not None:
+    streamed, ahead, theirs = streamed_count(config, n), weights_ahead(config.policy), streamed_weights(model)
+    if theirs is not None and theirs.ahead < ahead:  # the next layer's weights would still be in host memory
+        raise InfinigenError(
+            f"policy {config.policy!r} reads the next decoder layer's weights during each layer: the model's weights "
+            f"must stream at least {ahead} layer ahead (StreamedWeights(..., ahead={ahead})), not {theirs.ahead}"
+        )
+    if not streamed or theirs is not None:
         return None
     if ranks > 1:
         raise InfinigenError("streamed weights run in one process: not under tensor parallelism")
-    return StreamedWeights(model, range(n - streamed, n), device, weights_ahead(config.policy))
+    return StreamedWeights(model, range(n - streamed, n), device, ahead)
 
 
 def place_weights(model: nn.Module, device: torch.device | str, config) -> StreamedWeights | None:
