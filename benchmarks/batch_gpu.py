@@ -121,10 +121,12 @@ def phases(output: Path) -> dict:
         if "error" in row:
             errors[row["error"]] = errors.get(row["error"], 0) + 1
     peaks = [s["batch_peak_gpu_gb"] for s in batches.values() if s["batch_peak_gpu_gb"] is not None]
+    over_plan = [s["batch_peak_gpu_gb"] / s["batch_planned_gpu_gb"] for s in batches.values() if s["batch_peak_gpu_gb"]]
     return {
         "prefill_seconds": round(sum(s["batch_prefill_s"] for s in batches.values()), 3),
         "decode_seconds": round(sum(s["batch_decode_s"] for s in batches.values()), 3),
         "largest_peak_gpu_gb": max(peaks, default=None),
+        "largest_peak_over_plan": round(max(over_plan, default=0.0), 3),  # measured / planned, per batch
         "error_messages": errors,  # each distinct error and its rows
     }
 

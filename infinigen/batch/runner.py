@@ -242,6 +242,7 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
         torch.cuda.empty_cache()
     if sampling.seed is not None:  # each batch its own stream: a rerun samples a batch as the first run did
         sampling = replace(sampling, seed=sampling.seed + index)
+    failure = None  # out of GPU memory: the plan's miss, not the requests'
     try:
         with cache_for(job.model, job.artifact, **memory.cache_settings(found)) as cache:
             new, stats = generate_ids(
@@ -253,22 +254,29 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
                 sampling=sampling,
                 prefill_chunk=found.workload.prefill_chunk or 0,
             )
-    except OutOfMemory as exc:  # the plan's miss, not the requests': each half on its own, down to one row
+    except OutOfMemory as exc:
+        failure = str(exc)
+    except torch.OutOfMemoryError:  # making the cache itself
+        failure = f"out of GPU memory making the cache of a batch of {len(batch)} x {found.workload.context} tokens"
+    except InfinigenError as exc:
+        return [{"id": p.request.id, "error": str(exc)} for p in batch]
+    if failure is not None:
+        # each half on its own, down to one row; only once the except clause is left, so that the failed
+        # attempt's tensors (held by its traceback's frames) are free before the halves run
         if len(batch) == 1:
-            return [{"id": batch[0].request.id, "error": str(exc)}]
+            return [{"id": batch[0].request.id, "error": failure}]
         halves = (batch[: len(batch) // 2], batch[len(batch) // 2 :])
         rows = [row for half in halves for row in run_batch(job, half, index)]
         for row in rows:
             row.setdefault("stats", {}).setdefault("split_from", len(batch))
         return rows
-    except InfinigenError as exc:
-        return [{"id": p.request.id, "error": str(exc)} for p in batch]
     shared = {
         "batch": len(batch),
         "batch_index": index,
         "batch_prefill_s": stats["prefill_s"],
         "batch_decode_s": stats["decode_s"],
         "batch_peak_gpu_gb": stats["peak_gpu_gb"],
+        "batch_planned_gpu_gb": round(found.peak_gpu / 1e9, 3),
         "batch_prefill_tok_s": stats["prefill_tok_s"],
         "batch_decode_tok_s": stats["decode_tok_s"],
         "fraction_fetched": stats["fraction_fetched"],

@@ -36,10 +36,11 @@ from infinigen.tensor_parallel import together
 GRAPHS = ("step", "selection", "off")  # BenchCase.graphs
 
 
-def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
+def pinned_bandwidth(device: str, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
     """GB/s of one large pinned host->device copy (median of ``repeats``); None without a GPU (no
     host->device link to measure; the reports stay strict JSON). Under torchrun every rank copies at
-    once, as their gathers do (the host's links are shared): this rank's rate while all copy."""
+    once, as their gathers do (the host's links are shared): this rank's rate while all copy. 256 MiB:
+    at the link's full rate already, and small beside a run's plan (measured after its weights load)."""
     if not device.startswith("cuda"):
         return None
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -52,6 +53,8 @@ def pinned_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> fl
         dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+    del dev
+    torch.cuda.empty_cache()  # the copy's block back to the device, not kept by the allocator
     return nbytes / statistics.median(times[1:]) / 1e9
 
 

@@ -144,7 +144,7 @@ def _bandwidth(device) -> float | None:
         return None
     from infinigen.bench.runs import pinned_bandwidth
 
-    return pinned_bandwidth(str(device), nbytes=256 << 20)
+    return pinned_bandwidth(str(device))
 
 
 def _gb(nbytes: int) -> float:

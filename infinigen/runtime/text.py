@@ -128,6 +128,7 @@ def generate_ids(
     if sampling.seed is not None:
         torch.manual_seed(sampling.seed)
     chunking = {"prefill_chunk_size": prefill_chunk} if 0 < prefill_chunk < prompt_len else {}
+    output = None
     try:
         with torch.no_grad():
             output = model.generate(
@@ -141,7 +142,9 @@ def generate_ids(
                 **{cache_argument(model): cache},
             )
     except torch.OutOfMemoryError:
-        raise OutOfMemory(out_of_memory(model, cache, len(prompts), prompt_len + max_new_tokens)) from None
+        pass  # raised below, once the failed forward's tensors (its traceback's frames) are free
+    if output is None:
+        raise OutOfMemory(out_of_memory(model, cache, len(prompts), prompt_len + max_new_tokens))
     new = output[:, prompt_len:]
     return new, run_stats(cache, timer, len(prompts), prompt_len, new.shape[1], model)
 
