@@ -431,3 +431,17 @@ def test_weights_stream_as_the_last_resort_and_as_few_as_fit(policy, slots):
     asked = RuntimeConfig(policy=policy, streamed_layers=n + 3)  # a count asked for is kept, not varied
     kept = memory.plan(model, BF16, work, asked, budget)
     assert kept.config.streamed_layers == n + 3 and not any(s.startswith("weights") for s in kept.shed)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_a_loaded_model_plans_its_streamed_layers_as_its_config_does(arch):
+    """``plan_for`` (bench's and eval's runs of a loaded model) counts a streamed layer's slot from the
+    loaded layers, as ``model_of`` does from the config: a run that streams layers is planned without
+    their weights on the GPU, the slots held instead."""
+    model = tiny_model(arch).to(torch.bfloat16)
+    from_config = memory.model_of(model.config, BF16)
+    assert memory.loaded_model(model).layer_bytes == from_config.layer_bytes > 0
+    work, settings = memory.Workload(1, 64, 8), RuntimeConfig(streamed_layers=2)
+    assert parts(memory.plan_for(model, settings, work, None)) == parts(
+        memory.plan(from_config, BF16, work, settings, None)
+    )

@@ -35,8 +35,8 @@ from infinigen.runtime.selection.allocation import offloaded_budgets
 from infinigen.runtime.selection.policies import Selection, make_policy, supported_policy
 from infinigen.runtime.selection.speculation import LayerSpeculator
 from infinigen.runtime.streams import side_stream
-from infinigen.runtime.weights import layer_bytes, streamed_weights, weights_for_run
-from infinigen.tensor_parallel import head_shard, weight_bytes
+from infinigen.runtime.weights import streamed_weights, weights_for_run
+from infinigen.tensor_parallel import head_shard
 
 
 class InfinigenCache(Cache):
@@ -81,7 +81,7 @@ class InfinigenCache(Cache):
         self.gpu_budget: int | None = None  # the budget auto reuse plans within, from the first prefill
         self.expected_tokens = 0  # what the run will cache per row, where its decode loop says (``expect``)
         # what the plan reads of the model: its config and its weights (every tensor-parallel rank's)
-        self.planned = plan.Model(model.config, weight_bytes(model) * self.shard.ranks, max(map(layer_bytes, blocks)))
+        self.planned = plan.loaded_model(model, self.shard.ranks)
         self.reuse_capacity = 0  # the pool capacity of the latest auto decision
         self.resident_extra = 0.0  # ``RuntimeConfig.resident_extra`` as it applies: 0 without row reuse
         if self.policy_type.budgeted:

@@ -341,12 +341,23 @@ def resident_room(
     return max(0, int(budget / (1 + SLACK)) - sum(p.nbytes for p in held))
 
 
+def loaded_model(model, ranks: int = 1) -> Model:
+    """``Model`` of a loaded model: its weights as loaded (every tensor-parallel rank's) and its largest
+    decoder layer (a streaming slot's size, wherever its parameters are now)."""
+    from infinigen.tensor_parallel import weight_bytes
+
+    largest = max(
+        slot_bytes(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model)
+    )
+    return Model(model.config, weight_bytes(model) * ranks, largest)
+
+
 def plan_for(model, config: RuntimeConfig, work: Workload, budget: int | None) -> MemoryPlan:
-    """The plan of a run of a loaded ``model``: its weights as loaded (every tensor-parallel rank's)."""
-    from infinigen.tensor_parallel import weight_bytes, world_size
+    """The plan of a run of a loaded ``model``."""
+    from infinigen.tensor_parallel import world_size
 
     param, ranks = next(model.parameters()), world_size()
-    return plan(Model(model.config, weight_bytes(model) * ranks), param.dtype, work, config, budget, ranks=ranks)
+    return plan(loaded_model(model, ranks), param.dtype, work, config, budget, ranks=ranks)
 
 
 def cache_settings(found: MemoryPlan) -> dict:
