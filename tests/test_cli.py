@@ -152,7 +152,9 @@ def test_generate_plans_its_memory_before_the_weights_load(prepared, monkeypatch
     report = json.loads(planned.stdout)
     assert report["outputs"] == json.loads(free.stdout)["outputs"]
     plan = report["stats"]["memory_plan"]
-    assert plan["gpu_budget_gb"] == float(f"{2 - 600 * 2**20 / 1e9:.4g}") and 0 < plan["planned_peak_gpu_gb"] < 0.1
+    assert (
+        plan["gpu_budget_gb"] == float(f"{2 - 600 * 2**20 / 1e9:.4g}") and 0.1 < plan["planned_peak_gpu_gb"] < 0.2
+    )  # cuBLAS: 0.1
     loads = []
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a))
     refused = invoke(*args, "--gpu-memory-gb", "0.6")
@@ -293,7 +295,9 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     assert same["all_examples"] == {"difference": 0.0, "standard_error": 0.0, "better": 0, "worse": 0}
     assert report["results"][1]["average"]["fraction_fetched"] == toy[1]["fraction_fetched"] > 0
     assert toy[1]["fraction_bytes"] == toy[1]["fraction_fetched"]  # infinigen moves 16-bit rows
-    assert all(0 < t["memory_plan"]["planned_peak_gpu_gb"] < 0.01 for t in toy)  # each task's largest group's plan
+    assert all(
+        0.1 < t["memory_plan"]["planned_peak_gpu_gb"] < 0.11 for t in toy
+    )  # cuBLAS: 0.1; each task's largest group's plan
     saved, png = tmp_path / "tasks.json", tmp_path / "tasks.png"
     saved.write_text(result.stdout)
     assert invoke("plot", str(saved), "--out", str(png)).exit_code == 0 and png.read_bytes()[:4] == b"\x89PNG"

@@ -40,7 +40,7 @@ def test_perplexity_runs_as_the_memory_plan_says(tokenizer):
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     ids = torch.randint(3, 512, (2, 80), generator=torch.Generator().manual_seed(1))
     fits = perplexity(model, artifact, ids, 16, batch=2, policy="infinigen", gpu_memory_gb=1.0)
-    assert fits["perplexity"] > 1 and 0 < fits["memory_plan"]["planned_peak_gpu_gb"] < 0.01
+    assert fits["perplexity"] > 1 and 0.1 < fits["memory_plan"]["planned_peak_gpu_gb"] < 0.11
     short = perplexity(model, artifact, ids, 16, batch=2, policy="infinigen", gpu_memory_gb=0.5)
     assert short["error"].startswith("does not fit: 2 x 16 tokens (+63 new) with infinigen needs")
     assert short["error"].endswith("the weights alone do not fit") and "perplexity" not in short

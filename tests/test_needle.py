@@ -113,7 +113,7 @@ def test_needle_accuracy_report(tokenizer):
         (128, 1.0, 2),
     ]
     assert 0 < report["fraction_fetched"] <= 0.25 + 8 / 96 and report["policy"] == "infinigen"
-    assert 0 < report["memory_plan"]["planned_peak_gpu_gb"] < 0.01
+    assert 0.1 < report["memory_plan"]["planned_peak_gpu_gb"] < 0.11  # cuBLAS workspaces: 0.1
     json.dumps(report)
     with pytest.raises(InfinigenError, match="does not fit: 1 x .* the weights alone do not fit"):
         needle_accuracy(model, tokenizer, artifact, prompts, policy="infinigen", gpu_memory_gb=0.5)

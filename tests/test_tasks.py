@@ -81,7 +81,7 @@ def test_task_scoring_runs_as_the_memory_plan_says(tokenizer):
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     examples = [Example.of("One, two, three,", [" four", " five"], 0), Example.of("I ate the", [" soup"], 0)]
     report = task_accuracy(model, tokenizer, artifact, examples, shots=0, limit=2, seed=0, batch=2, policy="infinigen")
-    assert 0 < report["memory_plan"]["planned_peak_gpu_gb"] < 0.01
+    assert 0.1 < report["memory_plan"]["planned_peak_gpu_gb"] < 0.11  # cuBLAS workspaces: 0.1
     with pytest.raises(InfinigenError, match="^does not fit: 3 x .* the weights alone do not fit"):
         task_accuracy(model, tokenizer, artifact, examples, shots=0, limit=2, seed=0, batch=2, gpu_memory_gb=0.5)
 

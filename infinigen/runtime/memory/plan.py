@@ -48,6 +48,9 @@ from infinigen.runtime.selection.speculation import padded_channels
 SLACK = 0.05  # of the planned peak: blocks the caching allocator holds but cannot hand out
 CONTEXT_BYTES = 600 * 2**20  # the CUDA context and its libraries, outside PyTorch's allocator
 CHUNK = 4096  # the prefill chunk the plan turns to when a one-shot prefill does not fit
+# cuBLAS takes a workspace from PyTorch's allocator for each stream that runs a matmul (compute, selection,
+# capture) at its first matmul and holds it: torch's default size on Hopper (8 MiB on older cards)
+CUBLAS_WORKSPACE, MATMUL_STREAMS = 32 * 2**20, 3
 SMALLEST_CHUNK = 256  # below it a prefill re-reads the pool too often: each chunk reads every earlier token
 Phase = str  # "run" | "prefill" | "decode"
 
@@ -170,6 +173,7 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
     kv_row = kv * d * 2 * e  # one token's K and V of every KV head of one batch row, on the GPU
     streamed = streamed_count(config, spec.n_layers)
     parts = [Part("weights", "gpu", model.weight_bytes // ranks - streamed * model.layer_bytes)]
+    parts.append(Part("cuBLAS workspaces", "gpu", MATMUL_STREAMS * CUBLAS_WORKSPACE))
     if streamed:
         slots = weight_slots(config.policy, streamed) * model.layer_bytes
         parts.append(Part("weights: streaming slots", "gpu", slots))
