@@ -109,20 +109,10 @@ def _chat(messages) -> bool:
 
 
 def read_done(path: Path) -> tuple[set[Id], set[int]]:
-    """The ids of the requests, and the input lines that were none, an earlier run wrote to ``path``, which
-    is cut back to its last whole line first (a run killed while writing leaves at most a part of one)."""
-    if not path.exists():
-        return set(), set()
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise InfinigenError(f"cannot read {path}: {exc}") from exc
-    whole = data[: data.rfind(b"\n") + 1]
-    if len(whole) != len(data):
-        with open(path, "r+b") as file:
-            file.truncate(len(whole))
+    """The ids of the requests, and the input lines that were none, an earlier run wrote to ``path``
+    (``whole_lines``)."""
     ids, lines = set(), set()
-    for number, line in enumerate(whole.decode("utf-8", errors="replace").splitlines(), start=1):
+    for number, line in enumerate(whole_lines(path), start=1):
         try:
             row = json.loads(line)
             rid = row["id"]
@@ -134,6 +124,22 @@ def read_done(path: Path) -> tuple[set[Id], set[int]]:
         elif rid is not None:
             ids.add(rid)
     return ids, lines
+
+
+def whole_lines(path: Path) -> list[str]:
+    """The lines of a file of appended rows (none where it does not exist), cut back to its last whole line
+    first: a run killed while writing leaves at most a part of one."""
+    if not path.exists():
+        return []
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InfinigenError(f"cannot read {path}: {exc}") from exc
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) != len(data):
+        with open(path, "r+b") as file:
+            file.truncate(len(whole))
+    return whole.decode("utf-8", errors="replace").splitlines()
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:

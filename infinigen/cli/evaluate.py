@@ -17,12 +17,14 @@ from infinigen.cli.options import (
     DtypeOpt,
     JsonOpt,
     ModelArg,
+    ReportOutputOpt,
     TextOpt,
     parse_list,
     runtime_options,
 )
 from infinigen.cli.render import print_rows, printed_json, progress, stream_row
 from infinigen.errors import InfinigenError
+from infinigen.eval.journal import Journal
 
 on_eval = functools.partial(command, on=eval_app)
 COMPARED = {"policy": "dense,infinigen", "budget": "0.2,0.1"}  # what every eval compares by default
@@ -59,6 +61,7 @@ def ppl(
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
+    output: ReportOutputOpt = None,
 ) -> None:
     """Perplexity of the decoded part of each window, every policy through the same runtime path.
 
@@ -78,6 +81,9 @@ def ppl(
     if cpu_pool_fraction is not None and runtime["cpu_pool_gb"] != [None]:
         raise InfinigenError("give --cpu-pool-fraction or --cpu-pool-gb, not both")
     rows_settings = settings_grid(runtime)
+    run = {"eval": "ppl", "model": model, "artifact": artifact, "text": str(text), "window": window}
+    run |= {"prefix": prefix, "windows": windows, "batch": batch, "dtype": dtype, "recall": recall}
+    journal = Journal(output, run | {"cpu_pool_fraction": cpu_pool_fraction})
     loaded, checked = _load(model, artifact, device, dtype)
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     steps = math.ceil(ids.shape[0] / batch) * (window - prefix)
@@ -85,17 +91,21 @@ def ppl(
     with progress(disable=as_json) as bar:
         for settings in rows_settings:
             task = bar.add_task(_setting_label(settings), total=steps)
-            row = perplexity(
-                loaded.model,
-                checked,
-                ids,
-                prefix,
-                batch=batch,
-                pool_fraction=cpu_pool_fraction,
-                recall=recall,
-                on_step=functools.partial(bar.advance, task),
-                **settings,
-            )
+            row = journal.done(settings)
+            if row is None:
+                row = perplexity(
+                    loaded.model,
+                    checked,
+                    ids,
+                    prefix,
+                    batch=batch,
+                    pool_fraction=cpu_pool_fraction,
+                    recall=recall,
+                    on_step=functools.partial(bar.advance, task),
+                    **settings,
+                )
+                journal.add(settings, row)
+            bar.update(task, completed=steps)
             rows.append(row)
             if as_json:
                 stream_row(row)
@@ -148,6 +158,7 @@ def tasks(
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
+    output: ReportOutputOpt = None,
 ) -> None:
     """Few-shot multiple choice by log-likelihood (acc, acc_norm), every choice decoded through the runtime.
 
@@ -169,11 +180,19 @@ def tasks(
     else:
         examples = {name.strip(): builtin_examples(name.strip()) for name in task_names.split(",")}
     all_settings = settings_grid(runtime)
+    run = {"eval": "tasks", "model": model, "artifact": artifact, "dtype": dtype}
+    run |= {"tasks": [str(path) for path in data] if data else task_names, "shots": shots, "limit": limit}
+    journal = Journal(output, run | {"seed": seed, "batch": batch})
     loaded, checked = _load(model, artifact, device, dtype)
     rows = []
+    per_setting = sum(min(limit, len(e)) for e in examples.values())
     with progress(disable=as_json) as bar:
-        scoring = bar.add_task("examples", total=len(all_settings) * sum(min(limit, len(e)) for e in examples.values()))
+        scoring = bar.add_task("examples", total=len(all_settings) * per_setting)
         for settings in all_settings:
+            if (row := journal.done(settings)) is not None:
+                bar.advance(scoring, per_setting)
+                rows.append(row)
+                continue
             results = {}
             for name, task_examples in examples.items():
                 results[name] = task_accuracy(
@@ -193,6 +212,7 @@ def tasks(
                     {**settings, "task": name, **{k: v for k, v in results[name].items() if as_json or k != "hits"}}
                 )
             rows.append({**settings, "tasks": results, "average": average(results)})
+            journal.add(settings, rows[-1])
     rows = paired_with_first(rows)
     report = {
         "model": loaded.source.model_id,
@@ -280,6 +300,7 @@ def needle(
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
+    output: ReportOutputOpt = None,
 ) -> None:
     """Needle in a haystack: find a secret code hidden at each depth of a long passage, through the runtime.
 
@@ -295,6 +316,9 @@ def needle(
     if trials < 1:
         raise InfinigenError(f"--trials must be >= 1, got {trials}")
     all_settings = settings_grid(runtime)
+    run = {"eval": "needle", "model": model, "artifact": artifact, "dtype": dtype}
+    run |= {"texts": [str(path) for path in text], "lengths": token_lengths, "depths": depth_fractions}
+    journal = Journal(output, run | {"trials": trials})
     loaded, checked = _load(model, artifact, device, dtype)
     context = loaded.model.config.max_position_embeddings
     if max(token_lengths) + ANSWER_TOKENS > context:
@@ -306,6 +330,10 @@ def needle(
     with progress(disable=as_json) as bar:
         answering = bar.add_task("prompts", total=len(all_settings) * len(prompts))
         for settings in all_settings:
+            if (row := journal.done(settings)) is not None:
+                bar.advance(answering, len(prompts))
+                rows.append(row)
+                continue
 
             def on_answer(answered: dict, settings: dict = settings) -> None:
                 bar.advance(answering)
@@ -315,6 +343,7 @@ def needle(
             rows.append(
                 needle_accuracy(loaded.model, loaded.tokenizer, checked, prompts, on_answer=on_answer, **settings)
             )
+            journal.add(settings, rows[-1])
     report = {"model": loaded.source.model_id, "texts": [str(path) for path in text], "trials": trials, "results": rows}
     if printed_json(report, as_json):
         return

@@ -30,6 +30,13 @@ DtypeOpt = Annotated[
 ]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu | cuda[:N] (default: cuda if present).")]
 TextOpt = Annotated[Path, typer.Option(help="Text file (Project Gutenberg headers are stripped).")]
+ReportOutputOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--output",
+        help="Keep each setting's finished row in this file (JSON lines); a rerun with it runs only the missing ones.",
+    ),
+]
 
 # A sweep's plural spelling, kept from earlier versions of the command line.
 _PLURALS = {"policy": "--policies", "budget": "--budgets"}
