@@ -24,7 +24,6 @@ from infinigen.cli.options import (
 )
 from infinigen.cli.render import print_rows, printed_json, progress, stream_row
 from infinigen.errors import InfinigenError
-from infinigen.eval.journal import Journal
 
 on_eval = functools.partial(command, on=eval_app)
 COMPARED = {"policy": "dense,infinigen", "budget": "0.2,0.1"}  # what every eval compares by default
@@ -70,6 +69,7 @@ def ppl(
     """
     from infinigen.eval.decoding import read_text
     from infinigen.eval.decoding import windows as split_windows
+    from infinigen.eval.journal import Journal
     from infinigen.eval.perplexity import perplexity
     from infinigen.runtime.selection.policies import settings_grid
 
@@ -170,6 +170,7 @@ def tasks(
       infinigen eval tasks --artifact skewed/ --policy dense,infinigen --budget 0.2 --limit 50\n
       infinigen eval tasks --artifact skewed/ --data my-task.jsonl --shots 0
     """
+    from infinigen.eval.journal import Journal
     from infinigen.eval.tasks import average, builtin_examples, jsonl_examples, paired_with_first, task_accuracy
     from infinigen.runtime.selection.policies import settings_grid
 
@@ -309,6 +310,7 @@ def needle(
       infinigen eval needle --artifact skewed/ --text book1.txt --text book2.txt --lengths 8000 --trials 20
     """
     from infinigen.eval.decoding import read_text
+    from infinigen.eval.journal import Journal
     from infinigen.eval.needle import ANSWER_TOKENS, needle_accuracy, needle_prompts
     from infinigen.runtime.selection.policies import settings_grid
 
