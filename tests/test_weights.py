@@ -179,6 +179,27 @@ def test_generate_streams_the_layers_asked_and_says_so(prepared):
     assert refused.exit_code == 2 and "streamed_layers must be 0 or more" in refused.output
 
 
+def test_a_batch_job_loads_with_its_streamed_layers_in_host_memory(prepared, tmp_path, monkeypatch):
+    """``generate --input`` where layers stream (asked here; planned where the weights exceed the budget):
+    the model loads with them in host memory, every batch plans with them, the rows are a resident run's."""
+    from test_batch import results, write_requests
+
+    import infinigen.runtime.weights as weights_module
+
+    folder, out = prepared("llama")
+    write_requests(tmp_path / "in.jsonl", 12)
+    args = ("generate", str(folder), "--artifact", str(out), "--input", str(tmp_path / "in.jsonl"), "--device", "cpu")
+    args += ("--max-new-tokens", "6", "--max-batch", "4", "--json")
+    placed = []
+    place = weights_module.place_weights
+    monkeypatch.setattr(weights_module, "place_weights", lambda *a: placed.append(a[2].streamed_layers) or place(*a))
+    resident = invoke(*args, "--output", str(tmp_path / "resident.jsonl"))
+    streamed = invoke(*args, "--output", str(tmp_path / "streamed.jsonl"), "--streamed-layers", "2")
+    assert resident.exit_code == 0 and streamed.exit_code == 0, streamed.output
+    assert placed == [2]  # at load, once; the resident run placed nothing
+    assert results(tmp_path / "streamed.jsonl") == results(tmp_path / "resident.jsonl")
+
+
 def test_bench_builds_a_random_shape_with_its_streamed_layers_in_host_memory():
     """``bench --shape S --streamed-layers N``: the random model is made with its last N layers in host
     memory (never whole on the device), every case of ours plans and runs with them, transformers' caches

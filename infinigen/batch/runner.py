@@ -189,6 +189,27 @@ def prepare(planner: Planner, requests: list[Request]) -> tuple[list[Prepared], 
     return prepared, refused
 
 
+def weights_plan(settings: dict, requests: list[Request], **options) -> Callable:
+    """``load_model``'s ``before_weights`` for a job: where the weights alone exceed the budget (or layers to
+    stream are asked), the fewest decoder layers to keep in host memory with which the job's longest request
+    runs alone; the rest of the model goes to the GPU, never all of it. None: every weight on the GPU."""
+
+    def planned(config, tokenizer, dtype: torch.dtype, device: torch.device):
+        asked = config_from(settings)
+        budget = memory.budget_bytes(asked.gpu_memory_gb, device)
+        planner = Planner(tokenizer, memory.model_of(config, dtype), dtype, settings, budget, **options)
+        if asked.streamed_layers is None and (budget is None or planner.model.weight_bytes < budget):
+            return None
+        prepared, _ = prepare(planner, requests)
+        if not prepared:
+            return None
+        longest = max(prepared, key=lambda p: len(p.ids) + p.new_tokens)
+        found = planner.plan(memory.Workload(1, len(longest.ids), longest.new_tokens, planner.prefill_chunk))
+        return found.config if found.fits else None
+
+    return planned
+
+
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int]:
     """The tokens the model reads: the prompt with the tokenizer's usual special tokens, or the messages
     in its chat template with the assistant's turn opened."""
