@@ -140,6 +140,17 @@ def test_bench_sizes_pairs_fewer_layers_and_a_baseline_that_refuses():
     assert all(r["error"] and "\n" not in r["error"] and "ms_per_step" not in r for r in rows[1::2])
 
 
+def test_bench_hf_accelerate_runs_transformers_with_accelerates_offloading():
+    """``hf-accelerate``: ``DynamicCache`` under accelerate's hooks (the weights it maps to the host brought in at
+    each forward; without a budget, none): a row with its step time, and the model left as found for the
+    cases after it."""
+    result = bench("--batch 1 --prompt-len 32 --layers 3 --gen-len 1 --policies hf-accelerate,dense --json")
+    assert result.exit_code == 0, result.output
+    rows = {r["policy"]: r for r in strict_json(result.stdout)["results"]}
+    assert rows["hf-accelerate"]["ms_per_step"] > 0 and rows["hf-accelerate"]["accelerate_host_modules"] == 0
+    assert rows["dense"]["ms_per_step"] > 0 and "error" not in rows["dense"]
+
+
 def test_bench_baselines_and_cases_over_the_hosts_memory_are_rows(monkeypatch):
     """A case whose KV would not fit in the host memory available (ours: its CPU pool; transformers'
     offloaded cache: its host KV) is an error row, not a process the host's out-of-memory killer ends."""

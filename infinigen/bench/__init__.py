@@ -2,4 +2,6 @@
 micro-benchmarks of the gather and the speculation (``micro``), random-weight model shapes
 (``shapes``) and their plots. The runtime never imports this package."""
 
-HF_BASELINES = ("hf-dynamic", "hf-offloaded")  # transformers' own caches, benchmarked beside the policies
+# transformers' own caches, benchmarked beside the policies; hf-accelerate: DynamicCache with accelerate's
+# offloading of the weights that do not fit (``bench.accelerate_offload``)
+HF_BASELINES = ("hf-dynamic", "hf-offloaded", "hf-accelerate")

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from infinigen.artifacts import Artifact
+from infinigen.bench.accelerate_offload import accelerate_offloaded
 from infinigen.bench.hf_memory import hf_plan
 from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
@@ -73,6 +74,7 @@ class BenchCase:
     runtime: dict = field(default_factory=dict)
     prefill_chunk: int | None = None  # the prompt's chunks, as ``generate`` prefills (None: one forward)
     planned: dict | None = None  # the memory plan's settings for the cache (``planned``), where they differ
+    accelerate_gpu_bytes: int | None = None  # hf-accelerate: the weights accelerate may map to the GPU
 
     def __post_init__(self) -> None:
         if self.graphs not in GRAPHS:
@@ -116,7 +118,7 @@ def bench_cases(
 
 
 def make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase):
-    if case.policy == "hf-dynamic":
+    if case.policy in ("hf-dynamic", "hf-accelerate"):
         return DynamicCache(config=model.config)
     if case.policy == "hf-offloaded":
         return DynamicCache(config=model.config, offloading=True)
@@ -259,8 +261,22 @@ def release_cached_memory(device: torch.device, keep_pool_blocks: bool = True) -
             empty_host_cache()
 
 
-@torch.no_grad()
 def run_case(
+    model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
+) -> dict:
+    if case.policy != "hf-accelerate":
+        return _run_case(model, artifact, case, text_ids)
+    device = next(model.parameters()).device
+    gpu_bytes = case.accelerate_gpu_bytes
+    if gpu_bytes is None:  # no budget: every weight the GPU's
+        gpu_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with accelerate_offloaded(model, device, gpu_bytes) as device_map:
+        row = _run_case(model, artifact, case, text_ids)
+    return row | {"accelerate_host_modules": sum(where == "cpu" for where in device_map.values())}
+
+
+@torch.no_grad()
+def _run_case(
     model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
 ) -> dict:
     device = next(model.parameters()).device
@@ -356,6 +372,12 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
     error is their row), but the offloaded one's host memory is checked: the host's out-of-memory killer
     would end the whole run, not the case."""
     work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
+    if case.policy == "hf-accelerate":  # its weights: the budget less its KV and workspace (its best split)
+        kv = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, "hf-dynamic").peak_gpu
+        if budget is None:
+            return case, None, {}
+        room = max(0, int(budget / (1 + memory.SLACK)) - kv - memory.MATMUL_STREAMS * memory.CUBLAS_WORKSPACE)
+        return replace(case, accelerate_gpu_bytes=room), None, {"accelerate_gpu_weights_gb": memory.gb(room)}
     if not case.ours:
         found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, case.policy)
         if memory.fits_host(found):

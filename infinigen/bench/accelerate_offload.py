@@ -1,0 +1,84 @@
+"""The baseline ``hf-accelerate``: transformers with accelerate's big-model inference, as its users run a model
+larger than their GPU today (``from_pretrained(..., device_map="auto", max_memory=...)``). accelerate maps as
+many modules to the GPU as ``max_memory`` allows (``infer_auto_device_map``) and keeps the others' weights in
+host memory, copied to the GPU at each of their forwards and dropped after (its ``AlignDevicesHook``s); the
+KV in transformers' ``DynamicCache``.
+
+``accelerate_offloaded`` applies that to a model already built (``bench``'s random shapes: no checkpoint to
+load from) and undoes it: the model's own parameters back where they were, and its streamed layers
+(``runtime.weights``) streaming again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from infinigen.runtime.weights import StreamedWeights, streamed_weights
+
+
+@contextmanager
+def accelerate_offloaded(model: nn.Module, device: torch.device, gpu_bytes: int) -> Iterator[dict[str, str]]:
+    """``model`` under accelerate's offloading with at most ``gpu_bytes`` of weights on ``device``; yields
+    accelerate's device map (module name -> "gpu" or "cpu")."""
+    from accelerate.hooks import attach_align_device_hook_on_blocks, remove_hook_from_submodules
+    from accelerate.utils import OffloadedWeightsLoader, infer_auto_device_map
+
+    device = torch.device(device)
+    ours = streamed_weights(model)
+    streaming = (ours.order, ours.ahead) if ours is not None else None
+    if ours is not None:
+        ours.close()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if gpu_bytes >= total:  # every weight fits: nothing to offload
+        found = {"": "device"}
+    else:  # the device's index (the CPU's 0: the tests' stand-in for a GPU)
+        limits = {device.index or 0: gpu_bytes, "cpu": total}
+        found = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=model._no_split_modules)
+    device_map = {name: "cpu" if where == "cpu" else "gpu" for name, where in found.items()}
+    # each parameter's device, and its data where that is host memory (kept: a streamed layer's pinned copy);
+    # a GPU original mapped to the host is not kept: its GPU memory is accelerate's to use
+    owned, homes = [], {}
+    host_weights: dict[str, torch.Tensor] = {}
+    longest_first = sorted(device_map.items(), key=lambda item: -len(item[0]))
+    for name, module in model.named_modules(remove_duplicate=False):
+        mapped = next((where for prefix, where in longest_first if _within(name, prefix)), "gpu")
+        for leaf, param in module._parameters.items():
+            if param is None:
+                continue
+            owned.append((module, leaf, param))
+            if id(param) not in homes:  # a tied weight moves once
+                homes[id(param)] = (param, param.device, param.data if param.device.type == "cpu" else None)
+                # to the GPU a copy where it lives in host memory; to the host its own copy there (pinned where it
+                # streamed already: then no slower to copy than from_pretrained's plain memory)
+                param.data = param.data.to(device if mapped == "gpu" else "cpu")
+            if mapped == "cpu":
+                host_weights[f"{name}.{leaf}".lstrip(".")] = param.data
+    try:
+        attach_align_device_hook_on_blocks(
+            model,
+            execution_device={name: device for name in device_map},
+            offload={name: where == "cpu" for name, where in device_map.items()},
+            weights_map=OffloadedWeightsLoader(host_weights),
+        )
+        yield device_map
+    finally:
+        remove_hook_from_submodules(model)
+        host_weights.clear()
+        for module, leaf, param in owned:
+            module._parameters[leaf] = param
+        for param, _, kept in homes.values():  # host originals first: their GPU copies go
+            if kept is not None:
+                param.data = kept
+        for param, home, kept in homes.values():
+            if kept is None:
+                param.data = param.data.to(home)
+        if streaming is not None:
+            StreamedWeights(model, streaming[0], device, streaming[1])
+
+
+def _within(name: str, prefix: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")

@@ -1,0 +1,52 @@
+"""The ``hf-accelerate`` baseline: accelerate's offloading applied to a built model and undone."""
+
+from __future__ import annotations
+
+import accelerate.utils
+import pytest
+import torch
+from conftest import tiny_model
+from helpers import greedy, padded_batch
+
+from infinigen.architectures import decoder_layers
+from infinigen.bench.accelerate_offload import accelerate_offloaded
+from infinigen.runtime.weights import StreamedWeights, streamed_weights
+
+PROMPTS = [[5, 9, 23, 7, 81, 4], [6, 17, 3, 99]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_offloaded_modules_decode_as_resident_ones_and_the_model_is_left_as_found(arch, device, monkeypatch):
+    """The layers accelerate maps to the host run from there through its hooks (their parameters on the meta
+    device between forwards): the same tokens as the resident model; afterwards every parameter is the same
+    object on the same device with the same values, no hook is left, and layers the model streamed stream
+    again."""
+    model = tiny_model(arch).to(device)
+    inputs = padded_batch(PROMPTS, 1, device)
+    resident = greedy(model, inputs)
+    blocks = decoder_layers(model)
+    real = accelerate.utils.infer_auto_device_map
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # accelerate's own map for a GPU taking 80% of the weights (on the CPU, device 0 stands for the device)
+    monkeypatch.setattr(
+        "accelerate.utils.infer_auto_device_map",
+        lambda model, max_memory, **k: real(model, max_memory={0: int(0.8 * total), "cpu": 10**9}, **k),
+    )
+    StreamedWeights(model, [2], device, ahead=0)
+    names = {module: name for name, module in model.named_modules()}
+    layers = [names[block] for block in blocks]
+    before = {name: (p, p.device, p.detach().clone()) for name, p in model.named_parameters()}
+    with torch.no_grad(), accelerate_offloaded(model, torch.device(device), gpu_bytes=1) as placed:
+        assert streamed_weights(model) is None
+        assert [name for name, where in placed.items() if where == "gpu" and "layers" in name] == [layers[0]]
+        assert placed[layers[1]] == placed[layers[2]] == "cpu"
+        assert all(p.device.type == "meta" for p in blocks[1].parameters())  # until its forward
+        assert torch.equal(greedy(model, inputs), resident)
+    assert not any(hasattr(module, "_hf_hook") for module in model.modules())
+    again = streamed_weights(model)
+    assert again is not None and again.order == [2] and again.ahead == 0
+    for name, param in model.named_parameters():
+        original, home, values = before[name]
+        assert param is original and param.device == home and torch.equal(param, values), name
+    assert torch.equal(greedy(model, inputs), resident)
+    again.close()
