@@ -57,13 +57,32 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (a collective for a ``DTensor``: every rank must call it)."""
-    return tensor.full_tensor() if is_sharded(tensor) else tensor
+    """The whole tensor as plain values (a collective for a ``DTensor``: every rank must call it; a quantised
+    weight dequantised)."""
+    if is_sharded(tensor):
+        return tensor.full_tensor()
+    return tensor.dequantize() if quantised(tensor) else tensor
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of ``model``'s parameters in this process: a rank's shards under tensor parallelism."""
-    return sum((p.to_local() if is_sharded(p) else p).nbytes for p in model.parameters())
+    return sum(stored_bytes(p.to_local() if is_sharded(p) else p) for p in model.parameters())
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor holds: a quantised weight's (a tensor subclass such as torchao's ``Int8Tensor``,
+    whose ``nbytes`` is its logical dtype's) the sum of its inner tensors'."""
+    if not quantised(tensor):
+        return tensor.nbytes
+    names, _ = tensor.__tensor_flatten__()
+    return sum(stored_bytes(getattr(tensor, name)) for name in names)
+
+
+def quantised(tensor: torch.Tensor) -> bool:
+    """Whether a parameter is a tensor subclass holding its values in other tensors (quantised weights)."""
+    import torch
+
+    return type(tensor.data) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__") and not is_sharded(tensor)
 
 
 def _rows(weight: torch.Tensor) -> tuple[int, int, object | None]:

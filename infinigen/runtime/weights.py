@@ -27,6 +27,7 @@ from infinigen.architectures import decoder_layers
 from infinigen.errors import InfinigenError
 from infinigen.runtime.memory.sizing import slot_bytes, streamed_count, weights_ahead
 from infinigen.runtime.streams import side_stream
+from infinigen.tensor_parallel import quantised
 
 STREAMED = "_infinigen_streamed_weights"  # the model attribute naming its StreamedWeights while attached
 
@@ -50,6 +51,10 @@ class StreamedWeights:
             raise InfinigenError("this model's weights are already streamed: close the other StreamedWeights first")
         if ahead < 0:
             raise InfinigenError(f"ahead must be 0 or more, got {ahead}")
+        if kind := next((type(p).__name__ for i in self.order for p in blocks[i].parameters() if quantised(p)), None):
+            raise InfinigenError(
+                f"quantised weights ({kind}) do not stream: give the GPU room for every layer, or load them unquantised"
+            )
         self.model, self.device, self.ahead = model, torch.device(device), ahead
         self.cuda = self.device.type == "cuda"
         self.blocks = [blocks[i] for i in self.order]

@@ -346,10 +346,12 @@ def resident_room(
 
 
 def loaded_model(model, ranks: int = 1) -> Model:
-    """``Model`` of a loaded model: its weights as loaded (every tensor-parallel rank's) and its largest
-    decoder layer (a streaming slot's size, wherever its parameters are now)."""
-    from infinigen.tensor_parallel import weight_bytes
+    """``Model`` of a loaded model: its weights as loaded (every tensor-parallel rank's, quantised ones at their
+    stored size) and its largest decoder layer (a streaming slot's size, wherever its parameters are now)."""
+    from infinigen.tensor_parallel import quantised, weight_bytes
 
+    if any(quantised(p) for p in model.parameters()):  # quantised weights do not stream (``StreamedWeights``)
+        return Model(model.config, weight_bytes(model) * ranks)
     largest = max(
         slot_bytes(p.numel() * p.element_size() for p in layer.parameters()) for layer in decoder_layers(model)
     )
