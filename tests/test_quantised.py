@@ -1,6 +1,7 @@
 """Quantised weights (transformers' ``TorchAoConfig``, torchao's int8 weight-only) under the runtime's cache:
 decoding as transformers' own cache does on the same weights, planned at their stored size, and refused
-in one line where layers would stream."""
+in one line where layers would stream. They need torchao (``.[quant]``), which CI does not install (see
+pyproject.toml); run them with it installed."""
 
 from __future__ import annotations
 
