@@ -32,32 +32,32 @@ def accelerate_offloaded(model: nn.Module, device: torch.device, gpu_bytes: int)
     streaming = (ours.order, ours.ahead) if ours is not None else None
     if ours is not None:
         ours.close()
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if gpu_bytes >= total:  # every weight fits: nothing to offload
-        found = {"": "device"}
-    else:  # the device's index (the CPU's 0: the tests' stand-in for a GPU)
-        limits = {device.index or 0: gpu_bytes, "cpu": total}
-        found = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=model._no_split_modules)
-    device_map = {name: "cpu" if where == "cpu" else "gpu" for name, where in found.items()}
     # each parameter's device, and its data where that is host memory (kept: a streamed layer's pinned copy);
     # a GPU original mapped to the host is not kept: its GPU memory is accelerate's to use
     owned, homes = [], {}
     host_weights: dict[str, torch.Tensor] = {}
-    longest_first = sorted(device_map.items(), key=lambda item: -len(item[0]))
-    for name, module in model.named_modules(remove_duplicate=False):
-        mapped = next((where for prefix, where in longest_first if _within(name, prefix)), "gpu")
-        for leaf, param in module._parameters.items():
-            if param is None:
-                continue
-            owned.append((module, leaf, param))
-            if id(param) not in homes:  # a tied weight moves once
-                homes[id(param)] = (param, param.device, param.data if param.device.type == "cpu" else None)
-                # to the GPU a copy where it lives in host memory; to the host its own copy there (pinned where it
-                # streamed already: then no slower to copy than from_pretrained's plain memory)
-                param.data = param.data.to(device if mapped == "gpu" else "cpu")
-            if mapped == "cpu":
-                host_weights[f"{name}.{leaf}".lstrip(".")] = param.data
     try:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        if gpu_bytes >= total:  # every weight fits: nothing to offload
+            found = {"": "device"}
+        else:  # the device's index (the CPU's 0: the tests' stand-in for a GPU)
+            limits = {device.index or 0: gpu_bytes, "cpu": total}
+            found = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=model._no_split_modules)
+        device_map = {name: "cpu" if where == "cpu" else "gpu" for name, where in found.items()}
+        longest_first = sorted(device_map.items(), key=lambda item: -len(item[0]))
+        for name, module in model.named_modules(remove_duplicate=False):
+            mapped = next((where for prefix, where in longest_first if _within(name, prefix)), "gpu")
+            for leaf, param in module._parameters.items():
+                if param is None:
+                    continue
+                owned.append((module, leaf, param))
+                if id(param) not in homes:  # a tied weight moves once
+                    homes[id(param)] = (param, param.device, param.data if param.device.type == "cpu" else None)
+                    # to the GPU a copy where it lives in host memory; to the host its own copy there (pinned
+                    # where it streamed already: then no slower to copy than from_pretrained's plain memory)
+                    param.data = param.data.to(device if mapped == "gpu" else "cpu")
+                if mapped == "cpu":
+                    host_weights[f"{name}.{leaf}".lstrip(".")] = param.data
         attach_align_device_hook_on_blocks(
             model,
             execution_device={name: device for name in device_map},
