@@ -58,13 +58,14 @@ def _rank_main(rank: int, port: int, out: str, worker, args: tuple) -> None:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_num_threads(1)  # two ranks on a shared CPU
-    try:
-        torch.save(worker(rank, *args), os.path.join(out, f"{rank}.pt"))
-        if dist.is_initialized():  # no rank tears the group down while the other is still in a collective:
-            dist.barrier()  # seen as a gloo abort in rank 0 ("terminate called without an active exception")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    torch.save(worker(rank, *args), os.path.join(out, f"{rank}.pt"))
+    if dist.is_initialized():  # no rank leaves while the other is still in a collective
+        dist.barrier()
+    # gloo's teardown, at destroy_process_group or at exit, now and then aborts a rank ("terminate called
+    # without an active exception", in CI about 1 run in 10) after its results are saved: end without it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def on_ranks(tmp_path, worker, *args) -> list:
