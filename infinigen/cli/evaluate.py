@@ -81,9 +81,10 @@ def ppl(
     if cpu_pool_fraction is not None and runtime["cpu_pool_gb"] != [None]:
         raise InfinigenError("give --cpu-pool-fraction or --cpu-pool-gb, not both")
     rows_settings = settings_grid(runtime)
-    run = {"eval": "ppl", "model": model, "artifact": artifact, "text": str(text), "window": window}
-    run |= {"prefix": prefix, "windows": windows, "batch": batch, "dtype": dtype, "recall": recall}
-    journal = Journal(output, run | {"cpu_pool_fraction": cpu_pool_fraction})
+    run = dict(eval="ppl", model=model, artifact=artifact, text=str(text), window=window, prefix=prefix)
+    journal = Journal(
+        output, run | dict(windows=windows, batch=batch, dtype=dtype, recall=recall, pool=cpu_pool_fraction)
+    )
     loaded, checked = _load(model, artifact, device, dtype)
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     steps = math.ceil(ids.shape[0] / batch) * (window - prefix)
@@ -181,9 +182,9 @@ def tasks(
     else:
         examples = {name.strip(): builtin_examples(name.strip()) for name in task_names.split(",")}
     all_settings = settings_grid(runtime)
-    run = {"eval": "tasks", "model": model, "artifact": artifact, "dtype": dtype}
-    run |= {"tasks": [str(path) for path in data] if data else task_names, "shots": shots, "limit": limit}
-    journal = Journal(output, run | {"seed": seed, "batch": batch})
+    tasks_run = [str(path) for path in data] if data else task_names
+    run = dict(eval="tasks", model=model, artifact=artifact, dtype=dtype, tasks=tasks_run, shots=shots, limit=limit)
+    journal = Journal(output, run | dict(seed=seed, batch=batch))
     loaded, checked = _load(model, artifact, device, dtype)
     rows = []
     per_setting = sum(min(limit, len(e)) for e in examples.values())
@@ -318,9 +319,8 @@ def needle(
     if trials < 1:
         raise InfinigenError(f"--trials must be >= 1, got {trials}")
     all_settings = settings_grid(runtime)
-    run = {"eval": "needle", "model": model, "artifact": artifact, "dtype": dtype}
-    run |= {"texts": [str(path) for path in text], "lengths": token_lengths, "depths": depth_fractions}
-    journal = Journal(output, run | {"trials": trials})
+    run = dict(eval="needle", model=model, artifact=artifact, dtype=dtype, texts=[str(path) for path in text])
+    journal = Journal(output, run | dict(lengths=token_lengths, depths=depth_fractions, trials=trials))
     loaded, checked = _load(model, artifact, device, dtype)
     context = loaded.model.config.max_position_embeddings
     if max(token_lengths) + ANSWER_TOKENS > context:
