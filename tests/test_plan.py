@@ -71,8 +71,9 @@ def test_weights_are_the_models_parameters(arch):
 def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
     """A tiny model decoded through the runtime (chunked prefill, then decode steps): its dense layers'
     buffers, its sliding-window rings (Gemma 3), its offloaded layers' slot state (validity, 4-bit partial
-    keys and their scales; 8-bit rows' scales and channel factors) and its CPU pools hold exactly the bytes
-    the plan gives them."""
+    keys and their scales; 8-bit rows' scales and channel factors), its CPU pools and its decode steps' two
+    staging buffers hold exactly the bytes the plan gives them; the run crosses a pool block while decoding,
+    and the staging buffers, made at the run's last capacity, never grow (a doubled one ran a plan out)."""
     from helpers import tiny_setup
 
     from infinigen.architectures import model_spec
@@ -82,7 +83,7 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
     from infinigen.runtime.selection.speculation import padded_channels
 
     model, artifact = tiny_setup(tokenizer, arch, "cpu")
-    work = memory.Workload(batch=2, context=300, new_tokens=40, prefill_chunk=64)
+    work = memory.Workload(batch=2, context=240, new_tokens=40, prefill_chunk=64)  # 256 slots, then 384
     config = RuntimeConfig(block_tokens=128, reuse_rows="off", kv_bits=kv_bits)
     ids = torch.randint(3, 512, (2, work.context), generator=torch.Generator().manual_seed(0))
     kwargs = dict(max_new_tokens=work.new_tokens, do_sample=False, pad_token_id=1, custom_generate=decode)
@@ -100,6 +101,7 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
         if kv_bits == 8:
             state += sum(layer.pool.scales.nbytes + layer.pool.factors.nbytes for layer in offloaded)
         pools = sum(layer.pool.nbytes for layer in offloaded)
+        staging = {name: buffer.nbytes for name, buffer in cache.buffers.items()}
         dense_layers = sum(type(layer) is DenseLayer for layer in cache.layers)
     channels = padded_channels(artifact.channels(offloaded[0].index).shape[-1])
     found = memory.plan(memory.model_of(model.config, torch.float32), torch.float32, work, config, channels=channels)
@@ -111,6 +113,8 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
     assert held(DenseLayer) == dense and held(SlidingLayer) == planned["sliding windows' KV"]
     assert state == planned["offloaded layers' slot state"] and pools == planned["CPU KV pool"]
     assert min(dense, state, pools) > 0 and (held(SlidingLayer) > 0) == (arch == "gemma3")
+    assert {name for name, _ in staging} == {"rows"}  # one per layer parity (a tiny model may use one)
+    assert all(2 * nbytes == planned["decode: fetch staging"] for nbytes in staging.values())
 
 
 def test_sliding_layers_hold_their_window():

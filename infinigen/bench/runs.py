@@ -376,7 +376,7 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
         kv = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, "hf-dynamic").peak_gpu
         if budget is None:
             return case, None, {}
-        room = max(0, int(budget / (1 + memory.SLACK)) - kv - memory.MATMUL_STREAMS * memory.CUBLAS_WORKSPACE)
+        room = max(0, int(budget / (1 + memory.SLACK)) - kv - memory.CUBLAS_WORKSPACE)
         return replace(case, accelerate_gpu_bytes=room), None, {"accelerate_gpu_weights_gb": memory.gb(room)}
     if not case.ours:
         found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, case.policy)

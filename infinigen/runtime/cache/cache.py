@@ -310,15 +310,16 @@ class InfinigenCache(Cache):
         if step and self.reuses(layer):  # a multi-token step's bulk fetch leaves the resident rows alone
             return self._fetch_new_rows(layer, indices, count, valid, step)
         batch, kv_heads, k = indices.shape
-        parity = layer.index % 2
-        rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, layer.head_dim), layer.dtype)
+        parity, room = layer.index % 2, max(k, layer.rows_room())
+        rows = self._buffer("rows", parity, (batch, kv_heads, 2, k + 1, layer.head_dim), layer.dtype, room + 1)
         self.count_fetch(layer, count if count is not None else k, step=step)
         if layer.max_tokens is not None:
             layer.record_fetch(indices, valid[:, :, :k])
         packed = None
         moved = rows[:, :, :, :k]
         if layer.policy.codec is not None:  # rows move compressed; ``wait`` decodes them
-            packed = moved = self._buffer("packed", parity, (batch, kv_heads, 2, k, layer.pool.shape[-1]), layer.dtype)
+            shape = (batch, kv_heads, 2, k, layer.pool.shape[-1])
+            packed = moved = self._buffer("packed", parity, shape, layer.dtype, room)
         selection_end = self._selection_end()
         if step:
             ready = self._move(layer, indices, count, moved)
@@ -364,13 +365,17 @@ class InfinigenCache(Cache):
             self.slot_range = torch.arange(max(n, 2 * self.slot_range.numel()), device=self.device)
         return self.slot_range[:n]
 
-    def _buffer(self, name: str, parity: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A view of a reusable staging buffer; two per name (double buffering across layers)."""
+    def _buffer(self, name: str, parity: int, shape: tuple[int, ...], dtype: torch.dtype, room: int) -> torch.Tensor:
+        """A view of a reusable staging buffer; two per name (double buffering across layers). ``shape``'s
+        token dimension (the last but one) is allocated at ``room`` tokens: the most the run fetches
+        (``OffloadedLayer.rows_room``), so it is allocated once, at the size the memory plan counted."""
         numel = math.prod(shape)
         buffer = self.buffers.get((name, parity))
         if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
-            old = 0 if buffer is None else buffer.numel()
-            buffer = self.on_both_streams(torch.empty(max(numel, 2 * old), dtype=dtype, device=self.device))
+            self.buffers.pop((name, parity), None)
+            del buffer  # the old one's memory is free for the new (the side stream's use is recorded)
+            size = max(numel, numel // shape[-2] * room)
+            buffer = self.on_both_streams(torch.empty(size, dtype=dtype, device=self.device))
             self.buffers[name, parity] = buffer
         return buffer[:numel].view(shape)
 

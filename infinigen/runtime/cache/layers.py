@@ -23,7 +23,7 @@ from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.kernels.buffers import grown, grown_to
 from infinigen.runtime.memory.pool import KVPool, stored_width
 from infinigen.runtime.memory.reuse import ResidentRows
-from infinigen.runtime.selection.policies.base import Policy, RowCodec, Selection
+from infinigen.runtime.selection.policies.base import Policy, RowCodec, Selection, rows_bound
 from infinigen.runtime.selection.speculation import LayerSpeculator
 
 if TYPE_CHECKING:
@@ -252,6 +252,18 @@ class OffloadedLayer(_Layer):
         """Slots the CPU pool has room for. Every per-slot buffer (validity, the policy's state) is
         sized by it, so those buffers are reallocated only when it changes."""
         return self.pool.capacity
+
+    def rows_room(self) -> int:
+        """The most rows per head one fetch of this layer moves in this run: its budget's bound (every
+        slot for an unbudgeted policy) at the capacity the pool has once the run's expected tokens
+        (``InfinigenCache.expect``) are cached, in whole blocks: the memory plan's ``decode: fetch staging``."""
+        block = self.config.block_tokens
+        capacity = max(self.capacity, -(-self.cache.expected_tokens // block) * block)
+        if self.max_tokens is not None:  # a limited pool evicts instead of growing past its limit
+            capacity = max(self.capacity, min(capacity, self.max_tokens))
+        if not self.policy.budgeted:
+            return capacity
+        return rows_bound(self.config.budget, capacity, self.config.min_tokens)
 
     def _append_metadata(self, start: int, end: int, key_states) -> None:
         """Mark slots start .. end-1 as cached by a multi-token step (the pool has room for them)."""

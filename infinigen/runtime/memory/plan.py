@@ -48,9 +48,10 @@ from infinigen.runtime.selection.speculation import padded_channels
 SLACK = 0.05  # of the planned peak: blocks the caching allocator holds but cannot hand out
 CONTEXT_BYTES = 600 * 2**20  # the CUDA context and its libraries, outside PyTorch's allocator
 CHUNK = 4096  # the prefill chunk the plan turns to when a one-shot prefill does not fit
-# cuBLAS takes a workspace from PyTorch's allocator for each stream that runs a matmul (compute, selection,
-# capture) at its first matmul and holds it: torch's default size on Hopper (8 MiB on older cards)
-CUBLAS_WORKSPACE, MATMUL_STREAMS = 32 * 2**20, 3
+# cuBLAS takes a workspace from PyTorch's allocator for each stream that runs a matmul, at its first matmul,
+# and holds it: torch's default size on Hopper (8 MiB on older cards). A prefill multiplies on the compute
+# stream alone; decoding adds a CUDA graph's capture stream and a speculating policy's selection stream.
+CUBLAS_WORKSPACE = 32 * 2**20
 SMALLEST_CHUNK = 256  # below it a prefill re-reads the pool too often: each chunk reads every earlier token
 Phase = str  # "run" | "prefill" | "decode"
 
@@ -173,7 +174,10 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
     kv_row = kv * d * 2 * e  # one token's K and V of every KV head of one batch row, on the GPU
     streamed = streamed_count(config, spec.n_layers)
     parts = [Part("weights", "gpu", model.weight_bytes // ranks - streamed * model.layer_bytes)]
-    parts.append(Part("cuBLAS workspaces", "gpu", MATMUL_STREAMS * CUBLAS_WORKSPACE))
+    parts.append(Part("cuBLAS workspace", "gpu", CUBLAS_WORKSPACE))
+    side_streams = int(config.cuda_graphs) + int(policy.speculates)
+    if side_streams:
+        parts.append(Part("decode: side streams' cuBLAS workspaces", "gpu", side_streams * CUBLAS_WORKSPACE, "decode"))
     if streamed:
         slots = weight_slots(config.policy, streamed) * model.layer_bytes
         parts.append(Part("weights: streaming slots", "gpu", slots))
