@@ -104,7 +104,7 @@ def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_pat
         ("--model {folder} --ratio 0.3", "with --model the artifact sets it"),
         ("--model {folder} --policies infinigen", "speculating policies need the model's artifact"),
         ("--shape tiny-llama --repeat 0", "--repeat and --gen-len must be at least 1"),
-        ("--shape tiny-llama --sizes 2x", "--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384), got '2x'"),
+        ("--shape tiny-llama --sizes 2x", "--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384, autox1920), got '2x'"),
         ("--model {folder} --layers 2", "--layers goes with --shape"),
         ("--shape tiny-llama --layers 1", "--layers must be at least 2, got 1"),
         ("--shape tiny-llama --reserve-host-gb -1", "--reserve-host-gb must be at least 0, got -1.0"),

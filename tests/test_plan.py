@@ -206,6 +206,21 @@ def test_the_8b_shape_at_16_x_32k_fits_a_24_gb_card_only_with_every_step_shed(mo
     assert not memory.plan(model, BF16, work, config, budget).fits
 
 
+def test_a_large_batch_of_short_prompts_is_planned_by_its_length():
+    """FlexGen's setting, OPT-30B at 144 x (512 + 32): pool blocks of the run's length (576 slots, not 1,024:
+    host memory and the GPU's per-slot state at 56% of a whole block's), and prefill chunks below 256 tokens
+    for a short prompt, where 144 rows of 256 tokens' activations do not fit."""
+    model = memory.model_of(shape_config("opt-30b"), torch.float16)
+    work = memory.Workload(144, 512, 32, 4096)
+    found = memory.plan(model, torch.float16, work, RuntimeConfig(policy="full", streamed_layers=48), int(15.4e9))
+    assert found.config.block_tokens == 576 and found.fits
+    row = 56 * 128 * 2 * 2  # a token's K and V of every head
+    assert parts(found)["CPU KV pool"] == 46 * 144 * 576 * row  # 46 offloaded layers
+    assert found.workload.prefill_chunk < 256 and found.workload.prefill_chunk >= 512 // 16
+    long = memory.plan(model, torch.float16, replace(work, batch=1, context=8192), RuntimeConfig(policy="full"))
+    assert long.config.block_tokens == 1024
+
+
 def test_transformers_caches_estimated_by_hand():
     """``DynamicCache``: every layer's KV on the GPU, one layer's twice while it grows; offloaded: the
     running and the prefetched layer's; both repeat a chunk's keys for each query head in the prefill."""

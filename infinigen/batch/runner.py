@@ -24,6 +24,7 @@ from infinigen.errors import InfinigenError, OutOfMemory
 from infinigen.runtime import cache_for
 from infinigen.runtime.config import config_from
 from infinigen.runtime.memory import plan as memory
+from infinigen.runtime.memory.throughput import best_batch, measured_rates
 from infinigen.runtime.text import Sampling, generate_ids
 
 
@@ -191,8 +192,10 @@ def prepare(planner: Planner, requests: list[Request]) -> tuple[list[Prepared], 
 
 def weights_plan(settings: dict, requests: list[Request], **options) -> Callable:
     """``load_model``'s ``before_weights`` for a job: where the weights alone exceed the budget (or layers to
-    stream are asked), the fewest decoder layers to keep in host memory with which the job's longest request
-    runs alone; the rest of the model goes to the GPU, never all of it. None: every weight on the GPU."""
+    stream are asked), the decoder layers to keep in host memory: on a GPU, throughput mode's (the count
+    whose largest batch of the job's longest request decodes the most tokens/s, ``memory.throughput``),
+    else the fewest with which that request runs alone; the rest of the model goes to the GPU, never all
+    of it. None: every weight on the GPU."""
 
     def planned(config, tokenizer, dtype: torch.dtype, device: torch.device):
         asked = config_from(settings)
@@ -204,7 +207,13 @@ def weights_plan(settings: dict, requests: list[Request], **options) -> Callable
         if not prepared:
             return None
         longest = max(prepared, key=lambda p: len(p.ids) + p.new_tokens)
-        found = planner.plan(memory.Workload(1, len(longest.ids), longest.new_tokens, planner.prefill_chunk))
+        work = memory.Workload(1, len(longest.ids), longest.new_tokens, planner.prefill_chunk)
+        rates = measured_rates(device, dtype)
+        if rates is not None:
+            most = min(len(prepared), planner.max_batch)
+            best, _ = best_batch(planner.model, dtype, work, planner.config, budget, rates, most)
+            return None if best is None else best.plan.config
+        found = planner.plan(work)
         return found.config if found.fits else None
 
     return planned

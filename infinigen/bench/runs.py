@@ -32,6 +32,7 @@ from infinigen.runtime.config import config_from
 from infinigen.runtime.generation import prefill
 from infinigen.runtime.memory import host_memory
 from infinigen.runtime.memory import plan as memory
+from infinigen.runtime.memory.throughput import host_to_device_gb_s
 from infinigen.tensor_parallel import together
 
 GRAPHS = ("step", "selection", "off")  # BenchCase.graphs
@@ -44,19 +45,7 @@ def pinned_bandwidth(device: str, nbytes: int = 256 << 20, repeats: int = 5) -> 
     at the link's full rate already, and small beside a run's plan (measured after its weights load)."""
     if not device.startswith("cuda"):
         return None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        torch.cuda.synchronize(device)
-        together()
-        start = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    del dev
-    torch.cuda.empty_cache()  # the copy's block back to the device, not kept by the allocator
-    return nbytes / statistics.median(times[1:]) / 1e9
+    return host_to_device_gb_s(torch.device(device), nbytes, repeats, before=together)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ SizesOpt = Annotated[
     str | None,
     typer.Option(
         help="Batch x context pairs, comma-separated (8x16384,1x131072): instead of every --batch with every "
-        "--prompt-len, each pair in one run (one model load)."
+        "--prompt-len, each pair in one run (one model load). autoxN: the batch with the most tokens/s the plan "
+        "estimates for the first policy of ours within the GPU budget (throughput mode)."
     ),
 ]
 GenLenOpt = Annotated[int, typer.Option(help="Timed decode steps (after 3 warm-up steps).")]
@@ -127,7 +128,8 @@ def bench(
     from infinigen.bench.plots import plot_bench, plot_micro
     from infinigen.bench.profiles import parse_profiles
     from infinigen.bench.runs import bench_cases, load_subject, pinned_bandwidth, subject_artifacts
-    from infinigen.models import resolve_device
+    from infinigen.bench.shapes import shape_config
+    from infinigen.models import model_config, resolve_device
     from infinigen.prepare import DEFAULT_RATIO
     from infinigen.runtime.memory import host_memory
     from infinigen.runtime.memory import plan as memory
@@ -159,12 +161,14 @@ def bench(
     budget = memory.budget_bytes(gpu_memory_gb, torch.device(device))
     grid = settings_grid(runtime)
     chunk = prefill_chunk or None
+    subject_config = model_config(model) if model is not None else shape_config(shape, layers)
+    pairs, throughput = _auto_batches(pairs, grid, subject_config, dtype, device, budget, gen_len, chunk)
     cases = [
         case
         for b, n in pairs
         for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios, prefill_chunk=chunk)
     ]
-    streamed = _streamed(shape, model, layers, dtype, device, budget, cases)
+    streamed = _streamed(subject_config, dtype, device, budget, cases)
     if streamed is not None:  # every case of ours runs with them: its plan counts them
         cases = [replace(c, runtime=c.runtime | {"streamed_layers": streamed.streamed_layers}) for c in cases]
     text = None if text is None else str(text)
@@ -185,6 +189,8 @@ def bench(
         "gpu_held_by_another_process_gb": round(occupier.held_bytes / 1e9, 2) if occupier else None,
         "gpu_budget_gb": memory.gb(budget) if budget is not None else None,
     }
+    if throughput:
+        report["throughput_plan"] = throughput
     if reserved:  # beside the loading; what was left of it waited for before the first case
         reserved_s = time.perf_counter() - start
         report |= {"host_reserve_gb": reserve_host_gb, "host_reserved_s": round(reserved_s, 2)}
@@ -213,15 +219,58 @@ def bench(
         _print_profiles(report.get("profiles", []))
 
 
+AUTO = 0  # a --sizes batch the throughput plan chooses
+
+
 def _sizes(text: str) -> list[tuple[list[int], list[int]]]:
-    """--sizes 8x16384,1x131072 -> [([8], [16384]), ([1], [131072])]: each pair a sweep of its own."""
+    """--sizes 8x16384,1x131072 -> [([8], [16384]), ([1], [131072])]: each pair a sweep of its own; a batch
+    ``auto`` is ``AUTO`` until the throughput plan sets it (``_auto_batches``)."""
     pairs = []
     for pair in text.split(","):
-        parts = pair.strip().lower().split("x")
-        if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
-            raise InfinigenError(f"--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384), got {text!r}")
-        pairs.append(([int(parts[0])], [int(parts[1])]))
+        parts = [part.strip() for part in pair.lower().split("x")]
+        auto = parts[:1] == ["auto"]
+        if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts[auto:]):
+            raise InfinigenError(
+                f"--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384, autox1920), got {text!r}"
+            )
+        pairs.append(([AUTO if auto else int(parts[0])], [int(parts[1])]))
     return pairs
+
+
+def _auto_batches(pairs: list, grid: list[dict], subject_config, dtype: str, device: str, budget, gen_len: int, chunk):
+    """``pairs`` with each ``auto`` batch set by the throughput plan (``memory.throughput``) for the grid's
+    first policy of ours, at the pair's context, and what the plan estimated (the report's ``throughput``)."""
+    import torch
+
+    from infinigen.runtime.selection.policies import POLICIES
+    from infinigen.models import parse_dtype
+    from infinigen.runtime.config import config_from
+    from infinigen.runtime.memory import plan as memory
+    from infinigen.runtime.memory.throughput import best_batch, measured_rates
+
+    if not any(AUTO in batches for batches, _ in pairs):
+        return pairs, []
+    ours = next((row for row in grid if row["policy"] in POLICIES), None)
+    torch_dtype = parse_dtype(dtype, device)
+    rates = measured_rates(torch.device(device), torch_dtype)
+    if ours is None or rates is None or budget is None:
+        raise InfinigenError("an auto batch needs a policy of ours, a CUDA device and a GPU budget to plan for")
+    model, config = memory.model_of(subject_config, torch_dtype), config_from(ours)
+    resolved, estimates = [], []
+    for batches, (context,) in pairs:
+        if AUTO in batches:
+            work = memory.Workload(1, context, 3 + gen_len, chunk)  # the bench's warm-up steps and timed ones
+            best, _ = best_batch(model, torch_dtype, work, config, budget, rates)
+            if best is None:
+                raise InfinigenError(f"auto batch at context {context}: not even one row fits the GPU budget")
+            batches = [best.batch if b == AUTO else b for b in batches]
+            estimates.append(
+                {"policy": ours["policy"], "context": context, "batch": best.batch}
+                | {"streamed_layers": best.streamed_layers, "step_ms_estimate": round(best.step_ms, 1)}
+                | {"tokens_per_s_estimate": round(best.tokens_per_s, 1), "rates": vars(rates)}
+            )
+        resolved.append((batches, [context]))
+    return resolved, estimates
 
 
 def _one(values: list, option: str):
@@ -240,20 +289,18 @@ def _occupied(gpu_memory_gb: float | None, device: str):
     return Occupier(gpu_memory_gb, device)
 
 
-def _streamed(shape: str, model: str | None, layers: int | None, dtype: str, device: str, budget, cases: list):
+def _streamed(subject_config, dtype: str, device: str, budget, cases: list):
     """The settings whose decoder layers stay in host memory for the whole sweep, or None: as asked
     (--streamed-layers), else the most any case of ours streams under the budget (none where every case
     fits with the weights on the GPU). Refuses, before anything is built, weights that fit no way."""
-    from infinigen.bench.shapes import shape_config
-    from infinigen.models import model_config, parse_dtype
+    from infinigen.models import parse_dtype
     from infinigen.runtime.config import RuntimeConfig
     from infinigen.runtime.memory import plan as memory
     from infinigen.runtime.memory.sizing import weights_ahead
 
     ours = [case for case in cases if case.ours]
-    config = model_config(model) if model is not None else shape_config(shape, layers)
     torch_dtype = parse_dtype(dtype, device)
-    subject = memory.model_of(config, torch_dtype)
+    subject = memory.model_of(subject_config, torch_dtype)
     counts = []
     for case in ours:
         work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)

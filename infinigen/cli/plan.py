@@ -35,7 +35,8 @@ def plan(
 ) -> None:
     """The memory plan of a run: each part's bytes on the GPU and in host memory, the settings the GPU
     budget (--gpu-memory-gb, default: this device's free memory) leaves, the largest batch and context
-    each policy fits, and the decode step's floor at this machine's host->device bandwidth.
+    each policy fits, the decode step's floor at this machine's host->device bandwidth, and (throughput
+    mode, on a GPU) the batch at this context, with the layers streamed for it, of the most tokens/s.
 
     Examples:\n
       infinigen plan --shape llama-3-8b --gpu-memory-gb 24 --batch 1 --context 131072\n
@@ -67,6 +68,7 @@ def plan(
         "step_floor_ms": _rounded(memory.step_floor_ms(found, subject, torch_dtype, bandwidth)),
         "pinned_h2d_gb_s": _rounded(bandwidth),
         "capacity": _capacity(subject, torch_dtype, work, config, budget),
+        "throughput": _throughput(subject, torch_dtype, work, config, budget, device, bandwidth),
     }
     if not found.fits:
         report["refusal"] = memory.refusal(found)
@@ -139,6 +141,23 @@ def _capacity(subject, dtype, work, config, budget) -> list[dict]:
     return rows
 
 
+def _throughput(subject, dtype, work, config, budget, device, bandwidth) -> dict | None:
+    """Throughput mode's choice at this context (``memory.throughput``), or None off a GPU (its estimate
+    needs the device's measured rates) or where no row fits."""
+    from infinigen.runtime.memory.throughput import best_batch, measured_rates
+
+    rates = measured_rates(device, dtype, bandwidth)
+    best = None if rates is None or budget is None else best_batch(subject, dtype, work, config, budget, rates)[0]
+    if best is None:
+        return None
+    return {
+        "batch": best.batch,
+        "streamed_layers": best.streamed_layers,
+        "step_ms_estimate": round(best.step_ms, 1),
+        "tokens_per_s_estimate": round(best.tokens_per_s, 1),
+    }
+
+
 def _bandwidth(device) -> float | None:
     if device.type != "cuda":
         return None
@@ -171,6 +190,13 @@ def _print(report: dict) -> None:
         if report["step_floor_ms"] is None
         else f"{report['step_floor_ms']} ms at {report['pinned_h2d_gb_s']} GB/s",
     }
+    best = report["throughput"]
+    summary["most tokens/s"] = (
+        "n/a (no GPU or nothing fits)"
+        if best is None
+        else f"batch {best['batch']} with {best['streamed_layers']} layers streamed: about "
+        f"{best['tokens_per_s_estimate']} tokens/s ({best['step_ms_estimate']} ms a step, estimated)"
+    )
     print_pairs("memory plan", summary)
     if report["capacity"]:
         columns = {"policy": "policy", "largest context": "largest_context", "largest batch": "largest_batch"}

@@ -8,8 +8,9 @@ needs, each step stated (``MemoryPlan.shed``):
 
 - decoding: rows of earlier steps (``resident_extra``: as asked, then 1, then 0), then row reuse itself,
   where reuse is automatic;
-- the prefill: its chunk, 4,096 tokens for a one-shot prefill, then halved down to 256 (the earlier
-  chunks' KV then read in blocks of at most the chunk: ``prefill_block_tokens``);
+- the prefill: its chunk, 4,096 tokens for a one-shot prefill, then halved down to 256 (a 16th of a
+  shorter prompt, at least 32; the earlier chunks' KV then read in blocks of at most the chunk:
+  ``prefill_block_tokens``);
 - only where neither suffices, dense layers, down to 0 (a speculating policy then selects layer 0 from
   its own input, fetching without overlap: the paper keeps it dense for accuracy), each time with the
   most of the above that then fits.
@@ -37,6 +38,7 @@ from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import (
     host_pool_size,
     offloaded_layer_indices,
+    pool_block_tokens,
     slot_bytes,
     streamed_count,
     weight_slots,
@@ -52,7 +54,9 @@ CHUNK = 4096  # the prefill chunk the plan turns to when a one-shot prefill does
 # and holds it: torch's default size on Hopper (8 MiB on older cards). A prefill multiplies on the compute
 # stream alone; decoding adds a CUDA graph's capture stream and a speculating policy's selection stream.
 CUBLAS_WORKSPACE = 32 * 2**20
-SMALLEST_CHUNK = 256  # below it a prefill re-reads the pool too often: each chunk reads every earlier token
+# each chunk reads every earlier token of its rows again: chunks of at least 256 tokens, or of a 16th of a shorter
+# prompt (a large batch of short prompts), keep those reads within 8 times the prompt's
+SMALLEST_CHUNK, SHORTEST_CHUNK = 256, 32
 Phase = str  # "run" | "prefill" | "decode"
 
 
@@ -277,6 +281,7 @@ def plan(
 ) -> MemoryPlan:
     """The plan of a run; under ``budget`` (GPU bytes) the first settings, in the shedding order of the
     module's docstring, whose run fits. Where none fits, the last tried: ``fits`` is False."""
+    config = replace(config, block_tokens=pool_block_tokens(config.block_tokens, work.tokens))
     policy = policy_class(config.policy)
     auto_reuse = policy.budgeted and config.reuse_rows == "auto" and config.cpu_pool_gb is None
     reuse_on = policy.budgeted and (config.reuse_rows == "on" or auto_reuse)
@@ -311,7 +316,8 @@ def _candidates(config: RuntimeConfig, policy, work: Workload, auto_reuse: bool,
         decoding += [(replace(config, resident_extra=extra), True) for extra in extras]
         decoding.append((replace(config, resident_extra=None), False))
     chunks, chunk = [work.prefill_chunk], work.prefill_chunk
-    while (chunk := CHUNK if chunk is None or chunk > CHUNK else chunk // 2) >= SMALLEST_CHUNK:
+    smallest = max(SHORTEST_CHUNK, min(SMALLEST_CHUNK, work.context // 16))
+    while (chunk := CHUNK if chunk is None or chunk > CHUNK else chunk // 2) >= smallest:
         if chunk < work.chunk:
             chunks.append(chunk)
     asked_blocks = config.prefill_block_tokens

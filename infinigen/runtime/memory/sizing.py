@@ -28,6 +28,16 @@ def offloaded_layer_indices(model_config, dense_layers: int, offloads: bool) -> 
     return [i for i, window in enumerate(windows) if window is None and i >= dense]
 
 
+POOL_ALIGN = 64  # slots: a pool block sized to a short run is a multiple of this
+
+
+def pool_block_tokens(asked: int, tokens: int) -> int:
+    """A pool's block for a run of ``tokens`` per row: ``asked``, or a run's whole length where it is
+    shorter (in multiples of ``POOL_ALIGN``): a large batch of short prompts would otherwise hold a mostly
+    empty block per row and head, in host memory and in the GPU's per-slot state (the memory plan sets it)."""
+    return min(asked, -(-tokens // POOL_ALIGN) * POOL_ALIGN)
+
+
 def pool_limit(
     cpu_pool_gb: float | None, n_offloaded: int, batch: int, kv_heads: int, row_bytes: int, block_tokens: int
 ) -> int | None:

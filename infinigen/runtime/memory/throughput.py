@@ -1,0 +1,145 @@
+"""Throughput mode: the batch, and the decoder layers streamed for it, that decode the most tokens a second.
+
+With weights streamed from host memory a decode step costs about the same for 1 row as for 100: the
+streamed layers' bytes cross the bus once per step whatever the batch (FlexGen's observation), so large
+batches pay. But each row's KV state and workspace take GPU memory that resident weights would otherwise
+hold, so past some batch more layers must stream, and each streamed layer adds its bytes to every step.
+``best_batch`` walks the streamed-layer counts from the fewest that fit, takes at each the largest batch
+the memory plan admits (GPU and host), estimates its step (``step_estimate_ms``) and keeps the most tokens
+per second. The estimate is a model, stated: the larger of the bytes moved host->device at the measured
+link rate and the device's own work (every weight and GPU-resident KV read once at the measured memory
+rate, or the weights' multiply-adds at the measured matmul rate, whichever is longer).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.memory import plan as memory
+
+MOST_ROWS = 4096  # the largest batch searched
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """What a step's time is estimated from, measured on the device."""
+
+    h2d_gb_s: float  # one large pinned host->device copy
+    device_gb_s: float  # device memory read (a device-to-device copy's bytes read)
+    matmul_tflops: float  # one large matmul in the run's dtype
+
+
+@dataclass(frozen=True)
+class Candidate:
+    streamed_layers: int
+    batch: int
+    step_ms: float  # estimated (``step_estimate_ms``)
+    plan: memory.MemoryPlan
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step_ms * 1e3
+
+
+def _timed(run: Callable[[], object], device: torch.device, repeats: int, before: Callable[[], None]) -> float:
+    """Seconds of ``run()`` on ``device``: the median of ``repeats`` after one warm-up."""
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize(device)
+        before()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _copy_gb_s(source: torch.Tensor, target: torch.Tensor, repeats: int, before: Callable[[], None]) -> float:
+    seconds = _timed(lambda: target.copy_(source, non_blocking=True), target.device, repeats, before)
+    return source.nbytes / seconds / 1e9
+
+
+def host_to_device_gb_s(
+    device: torch.device, nbytes: int = 256 << 20, repeats: int = 5, before: Callable[[], None] = lambda: None
+) -> float:
+    """GB/s of one large pinned host->device copy (``before`` each: e.g. the ranks' barrier, so that every
+    rank copies at once, as their gathers do). 256 MiB: at the link's full rate already, and handed back."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rate = _copy_gb_s(host, torch.empty(nbytes, dtype=torch.uint8, device=device), repeats, before)
+    torch.cuda.empty_cache()  # the copy's block back to the device, not kept by the allocator
+    return rate
+
+
+def _matmul_tflops(matrix: torch.Tensor, repeats: int = 5) -> float:
+    return 2 * matrix.shape[0] ** 3 / _timed(lambda: matrix @ matrix, matrix.device, repeats, lambda: None) / 1e12
+
+
+def measured_rates(device: torch.device, dtype: torch.dtype, h2d_gb_s: float | None = None) -> DeviceRates | None:
+    """The device's rates (``h2d_gb_s``: measured already by the caller), or None off CUDA. A 256 MiB
+    device copy and a 4,096-square matmul: milliseconds, their memory handed back."""
+    if device.type != "cuda":
+        return None
+    h2d = h2d_gb_s if h2d_gb_s is not None else host_to_device_gb_s(device)
+    source = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    read = _copy_gb_s(source, torch.empty_like(source), 5, lambda: None)
+    tflops = _matmul_tflops(torch.randn(4096, 4096, device=device).to(dtype))
+    del source
+    torch.cuda.empty_cache()
+    return DeviceRates(h2d, read, tflops)
+
+
+def step_estimate_ms(found: memory.MemoryPlan, rates: DeviceRates) -> float:
+    """A decode step's estimated time: what crosses the bus (``memory.step_floor_ms``: streamed layers and
+    fetched rows) overlapped with the device's work, the longer of reading every weight and the GPU's
+    KV (dense layers, sliding windows) and the weights' multiply-adds for the batch."""
+    model, dtype = found.model, found.dtype
+    moved = memory.step_floor_ms(found, model, dtype, rates.h2d_gb_s)
+    on_gpu = {"dense layers' KV", "sliding windows' KV"}
+    read = model.weight_bytes + sum(p.nbytes for p in found.parts if p.name in on_gpu)
+    flops = 2 * model.weight_bytes / dtype.itemsize * found.workload.batch
+    device = max(read / (rates.device_gb_s * 1e9), flops / (rates.matmul_tflops * 1e12)) * 1e3
+    return max(moved, device)
+
+
+def best_batch(
+    model: memory.Model,
+    dtype: torch.dtype,
+    work: memory.Workload,
+    config: RuntimeConfig,
+    budget: int | None,
+    rates: DeviceRates,
+    most: int = MOST_ROWS,
+    host_bytes: int | None = None,
+) -> tuple[Candidate | None, list[Candidate]]:
+    """The candidate with the most estimated tokens a second for rows of ``work``'s context and new tokens
+    (its batch ignored), and every candidate walked (one per streamed-layer count); None where not even
+    one row fits. ``most``: the largest batch worth having (a job's requests); ``host_bytes``: the host
+    memory a run may take (default: what is available now)."""
+    host = memory.host_available_bytes() if host_bytes is None else host_bytes
+
+    def planned(batch: int, settings: RuntimeConfig) -> memory.MemoryPlan:
+        return memory.plan(model, dtype, replace(work, batch=batch), settings, budget)
+
+    def admitted(found: memory.MemoryPlan) -> bool:
+        return found.fits and (host is None or found.host <= host)
+
+    alone = planned(1, config)
+    if not admitted(alone):
+        return None, []
+    fewest = alone.config.streamed_layers or 0
+    counts = [fewest] if config.streamed_layers is not None or not model.layer_bytes else None
+    candidates = []
+    for streamed in counts or range(fewest, model.spec.n_layers + 1):
+        settings = replace(config, streamed_layers=streamed)
+        batch = memory.largest(lambda b, s=settings: admitted(planned(b, s)), 1, most)
+        if batch < 1:
+            continue
+        found = planned(batch, settings)
+        candidates.append(Candidate(streamed, batch, step_estimate_ms(found, rates), found))
+    return max(candidates, key=lambda c: c.tokens_per_s, default=None), candidates
