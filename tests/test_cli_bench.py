@@ -104,7 +104,10 @@ def test_bench_real_model_with_its_artifact_text_and_repeats(checkpoint, tmp_pat
         ("--model {folder} --ratio 0.3", "with --model the artifact sets it"),
         ("--model {folder} --policies infinigen", "speculating policies need the model's artifact"),
         ("--shape tiny-llama --repeat 0", "--repeat and --gen-len must be at least 1"),
-        ("--shape tiny-llama --sizes 2x", "--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384, autox1920), got '2x'"),
+        (
+            "--shape tiny-llama --sizes 2x",
+            "--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384, autox1920), got '2x'",
+        ),
         ("--model {folder} --layers 2", "--layers goes with --shape"),
         ("--shape tiny-llama --layers 1", "--layers must be at least 2, got 1"),
         ("--shape tiny-llama --reserve-host-gb -1", "--reserve-host-gb must be at least 0, got -1.0"),
@@ -277,6 +280,22 @@ def test_bench_sweeps_kv_bits_and_reports_the_bytes_moved():
     micro = strict_json(bench("--micro --micro-contexts 64 --kv-bits 16,8 --json").stdout)["gather"]
     assert [r["kv_bits"] for r in micro] == [16] * 5 + [8] * 5
     assert [r["bytes"] * 16 for r in micro[:5]] == [r["bytes"] * 64 for r in micro[5:]]
+
+
+def test_bench_counts_a_steps_bytes_alone_and_bounds_the_step():
+    """``h2d_mb_per_step`` is the decode steps' own (a chunked prefill's re-reads of earlier chunks apart):
+    ``full`` moves every cached row of its 2 offloaded layers, 2 KV heads of 128-byte float32 rows, at 256 to
+    260 cached tokens over its 5 steps; the step's bound is those bytes and the streamed weights' at the
+    link's rate."""
+    from infinigen.cli.bench import _with_bound
+
+    for chunk in ("64", "0"):
+        result = bench(f"--batch 1 --prompt-len 256 --gen-len 2 --policies full --prefill-chunk {chunk} --json")
+        row = strict_json(result.stdout)["results"][0]
+        assert row["h2d_mb_per_step"] == pytest.approx(2 * 2 * 128 * 258 / 1e6, abs=1e-3)
+    bounded = _with_bound({"ms_per_step": 30.0, "h2d_mb_per_step": 500.0, "streamed_weights_mb_per_step": 500.0}, 50)
+    assert bounded["step_bound_ms"] == 20.0 and bounded["step_over_bound"] == 1.5
+    assert "step_bound_ms" not in _with_bound({"ms_per_step": 3.0}, 50)  # nothing crosses: no bound
 
 
 def test_bench_reserves_host_memory_before_its_cases(monkeypatch):

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from infinigen.bench.shapes import shape_config
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.memory import plan as memory
+from infinigen.runtime.memory.throughput import step_floor_ms
 
 BF16 = torch.bfloat16
 
@@ -291,6 +292,16 @@ def test_retired_blocks_count_as_available(monkeypatch):
     assert memory.host_available_bytes() - before == pytest.approx(2**30, rel=0.05)
 
 
+def test_a_loaded_models_streamed_layers_are_not_counted_against_the_host_twice(monkeypatch):
+    """Once loaded, the streamed layers hold their host memory already (it is gone from what is available):
+    a plan beside the loaded model needs only the rest (a bench case at the batch its plan chose was refused)."""
+    model = memory.model_of(shape_config("opt-30b"), torch.float16)
+    found = memory.plan(model, torch.float16, memory.Workload(4, 1920, 16), RuntimeConfig(streamed_layers=20))
+    weights = parts(found)[memory.STREAMED_WEIGHTS]
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: found.host - weights)
+    assert not memory.fits_host(found) and memory.fits_host(replace(found, weights_loaded=True))
+
+
 def test_plan_command_json_and_table(monkeypatch):
     args = ["--shape", "llama-3-8b", "--gpu-memory-gb", "24", "--batch", "1", "--context", "131072", "--json"]
     result = invoke("plan", *args)
@@ -442,7 +453,7 @@ def test_weights_stream_as_the_last_resort_and_as_few_as_fit(policy, slots):
     assert got["weights"] == model.weight_bytes - n * layer and got["weights: streaming slots"] == slots * layer
     assert got["weights: streamed layers"] == n * layer  # in host memory
     unstreamed = replace(found, config=replace(found.config, streamed_layers=0))
-    crossing = memory.step_floor_ms(found, model, BF16, 50.0) - memory.step_floor_ms(unstreamed, model, BF16, 50.0)
+    crossing = step_floor_ms(found, model, BF16, 50.0) - step_floor_ms(unstreamed, model, BF16, 50.0)
     assert crossing == pytest.approx(n * layer / 50e9 * 1e3)  # a step's floor: the streamed weights cross too
     most_shed = dict(dense_layers=0, resident_extra=None, reuse_rows="off", prefill_block_tokens=256)
     fewer = replace(found.config, streamed_layers=n - 1, **most_shed)

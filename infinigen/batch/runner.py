@@ -41,6 +41,7 @@ class Planner:
     max_new_tokens: int = 64  # where a request gives none
     prefill_chunk: int | None = 4096  # None: a prompt in one forward
     max_batch: int = 64  # the most rows a batch takes, whatever the plan admits
+    weights_loaded: bool = False  # planning beside the loaded model: its streamed layers' host memory is taken
 
     def __post_init__(self) -> None:
         self.config = config_from(self.settings)
@@ -50,7 +51,8 @@ class Planner:
 
     def plan(self, work: memory.Workload) -> memory.MemoryPlan:
         """The memory plan a batch of ``work`` runs in (a benchmark plans transformers' caches here)."""
-        return memory.plan(self.model, self.dtype, work, self.config, self.budget)
+        found = memory.plan(self.model, self.dtype, work, self.config, self.budget)
+        return replace(found, weights_loaded=self.weights_loaded)
 
 
 @dataclass
@@ -70,7 +72,8 @@ class Job:
         param = next(model.parameters())
         if "budget" not in options:  # a Ray worker is given its driver's
             options["budget"] = memory.budget_bytes(config_from(settings).gpu_memory_gb, param.device)
-        planner = Planner(tokenizer, memory.model_of(model.config, param.dtype), param.dtype, settings, **options)
+        subject = memory.model_of(model.config, param.dtype)
+        planner = Planner(tokenizer, subject, param.dtype, settings, weights_loaded=True, **options)
         return cls(model, planner, artifact, sampling)
 
 

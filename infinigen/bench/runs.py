@@ -33,6 +33,7 @@ from infinigen.runtime.generation import prefill
 from infinigen.runtime.memory import host_memory
 from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.memory.throughput import host_to_device_gb_s
+from infinigen.runtime.weights import layer_bytes, streamed_weights
 from infinigen.tensor_parallel import together
 
 GRAPHS = ("step", "selection", "off")  # BenchCase.graphs
@@ -261,7 +262,10 @@ def run_case(
         gpu_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     with accelerate_offloaded(model, device, gpu_bytes) as device_map:
         row = _run_case(model, artifact, case, text_ids)
-    return row | {"accelerate_host_modules": sum(where == "cpu" for where in device_map.values())}
+        on_host = [module for name, module in model.named_modules() if device_map.get(name) == "cpu"]
+        # accelerate's hooks copy every host-mapped module's weights to the GPU at each forward
+        crossing = sum(p.numel() * p.element_size() for module in on_host for p in module.parameters())
+    return row | {"accelerate_host_modules": len(on_host), "streamed_weights_mb_per_step": round(crossing / 1e6, 3)}
 
 
 @torch.no_grad()
@@ -276,6 +280,8 @@ def _run_case(
     decoder = Decoder(model, cache, case, text_ids)
     prefill_s = decoder.prefill_seconds()
     prefill_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    # the prefill's re-reads of earlier chunks' rows are not a step's
+    prefill_bytes = cache.summary()["bytes_host_to_device"] if case.ours else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     step_s = decoder.step_seconds()
@@ -294,7 +300,7 @@ def _run_case(
     if case.ours:
         stats = cache.summary()
         steps = case.warmup + case.gen_len
-        per_step = stats["bytes_host_to_device"] / steps
+        per_step = (stats["bytes_host_to_device"] - prefill_bytes) / steps
         result |= {
             "reuse": stats["reuse_rows"],  # what reuse_rows (auto by default) did, and why
             "fraction_fetched": stats["fraction_fetched"],
@@ -310,6 +316,9 @@ def _run_case(
             else round(stats["last_replay_wait_ms"], 2),
             "cpu_pool_gb": round(stats["cpu_pool_bytes"] / 1e9, 2),
         }
+    if (streamed := streamed_weights(model)) is not None:  # every streamed layer crosses at every step
+        crossing = sum(layer_bytes(block) for block in streamed.blocks)
+        result["streamed_weights_mb_per_step"] = round(crossing / 1e6, 3)
     del cache
     return result
 
@@ -365,7 +374,10 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
         kv = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, "hf-dynamic").peak_gpu
         if budget is None:
             return case, None, {}
-        room = max(0, int(budget / (1 + memory.SLACK)) - kv - memory.CUBLAS_WORKSPACE)
+        room = int(budget / (1 + memory.SLACK)) - kv - memory.CUBLAS_WORKSPACE
+        if room <= 0:
+            error = f"does not fit: DynamicCache's KV and workspace alone need {memory.gb(kv)} GB of the budget"
+            return case, case_settings(case) | {"error": error}, {}
         return replace(case, accelerate_gpu_bytes=room), None, {"accelerate_gpu_weights_gb": memory.gb(room)}
     if not case.ours:
         found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, case.policy)

@@ -209,6 +209,8 @@ def bench(
         report["ranks"] = world_size()
         report["pinned_h2d_all_ranks_gb_s"] = round(summed(bandwidth, device), 1) if bandwidth is not None else None
     results, split_rows = _run(subject, artifacts, cases, repeat, breakdown, as_json, budget)
+    if bandwidth is not None:
+        results = [_with_bound(row, bandwidth) for row in results]
     report |= {"results": results, "breakdown": split_rows}
     if profiles:
         report["profiles"] = _profiled(subject, artifacts, cases, profiles, as_json)
@@ -242,11 +244,11 @@ def _auto_batches(pairs: list, grid: list[dict], subject_config, dtype: str, dev
     first policy of ours, at the pair's context, and what the plan estimated (the report's ``throughput``)."""
     import torch
 
-    from infinigen.runtime.selection.policies import POLICIES
     from infinigen.models import parse_dtype
     from infinigen.runtime.config import config_from
     from infinigen.runtime.memory import plan as memory
     from infinigen.runtime.memory.throughput import best_batch, measured_rates
+    from infinigen.runtime.selection.policies import POLICIES
 
     if not any(AUTO in batches for batches, _ in pairs):
         return pairs, []
@@ -271,6 +273,16 @@ def _auto_batches(pairs: list, grid: list[dict], subject_config, dtype: str, dev
             )
         resolved.append((batches, [context]))
     return resolved, estimates
+
+
+def _with_bound(row: dict, bandwidth_gb_s: float) -> dict:
+    """A decoded row with its step's bound where bytes cross the link every step: the fetched rows and the
+    streamed weights it measured, at the pinned host->device rate measured in this process."""
+    crossing = (row.get("h2d_mb_per_step") or 0) + (row.get("streamed_weights_mb_per_step") or 0)
+    if "ms_per_step" not in row or not crossing:
+        return row
+    bound = crossing / 1e3 / bandwidth_gb_s * 1e3
+    return row | {"step_bound_ms": round(bound, 2), "step_over_bound": round(row["ms_per_step"] / bound, 2)}
 
 
 def _one(values: list, option: str):

@@ -47,6 +47,7 @@ def plan(
     from infinigen.models import parse_dtype
     from infinigen.runtime.config import RuntimeConfig
     from infinigen.runtime.memory import plan as memory
+    from infinigen.runtime.memory.throughput import step_floor_ms
 
     if min(batch, context) < 1 or new_tokens < 0 or prefill_chunk < 0:
         raise InfinigenError("--batch and --context must be at least 1, --new-tokens and --prefill-chunk at least 0")
@@ -65,7 +66,7 @@ def plan(
         "budget_gb": memory.gb(budget) if budget is not None else None,
         "budget_from": "--gpu-memory-gb" if config.gpu_memory_gb is not None else "free memory" if budget else None,
         **_plan_report(found),
-        "step_floor_ms": _rounded(memory.step_floor_ms(found, subject, torch_dtype, bandwidth)),
+        "step_floor_ms": _rounded(step_floor_ms(found, subject, torch_dtype, bandwidth)),
         "pinned_h2d_gb_s": _rounded(bandwidth),
         "capacity": _capacity(subject, torch_dtype, work, config, budget),
         "throughput": _throughput(subject, torch_dtype, work, config, budget, device, bandwidth),

@@ -47,6 +47,7 @@ from infinigen.runtime.selection.policies import policy_class
 from infinigen.runtime.selection.policies.base import rows_bound
 from infinigen.runtime.selection.speculation import padded_channels
 
+STREAMED_WEIGHTS = "weights: streamed layers"  # the host part of the layers streamed from host memory
 SLACK = 0.05  # of the planned peak: blocks the caching allocator holds but cannot hand out
 CONTEXT_BYTES = 600 * 2**20  # the CUDA context and its libraries, outside PyTorch's allocator
 CHUNK = 4096  # the prefill chunk the plan turns to when a one-shot prefill does not fit
@@ -140,6 +141,7 @@ class MemoryPlan:
     reuse: bool = False  # row reuse on (budgeted policies)
     model: Model | None = None  # what it planned for, in which dtype (``refusal`` plans around it)
     dtype: torch.dtype | None = None
+    weights_loaded: bool = False  # the model is loaded: its streamed layers hold their host memory already
 
     def gpu(self, phase: Phase | None = None) -> int:
         return sum(p.nbytes for p in self.parts if p.where == "gpu" and (phase is None or p.phase == phase))
@@ -185,7 +187,7 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
     if streamed:
         slots = weight_slots(config.policy, streamed) * model.layer_bytes
         parts.append(Part("weights: streaming slots", "gpu", slots))
-        parts.append(Part("weights: streamed layers", "host", streamed * model.layer_bytes))
+        parts.append(Part(STREAMED_WEIGHTS, "host", streamed * model.layer_bytes))
     # at the run's length from the start: the decode loops tell the cache (``InfinigenCache.expect``)
     parts.append(Part("dense layers' KV", "gpu", len(dense) * batch * kv_row * work.tokens))
     sliding = sum(min(w, work.tokens) for w in windows if w is not None)
@@ -373,7 +375,8 @@ def plan_for(model, config: RuntimeConfig, work: Workload, budget: int | None) -
     from infinigen.tensor_parallel import world_size
 
     param, ranks = next(model.parameters()), world_size()
-    return plan(loaded_model(model, ranks), param.dtype, work, config, budget, ranks=ranks)
+    found = plan(loaded_model(model, ranks), param.dtype, work, config, budget, ranks=ranks)
+    return replace(found, weights_loaded=True)
 
 
 def cache_settings(found: MemoryPlan) -> dict:
@@ -425,7 +428,8 @@ def why_not(found: MemoryPlan, **opts) -> str | None:
 
 def fits_host(found: MemoryPlan) -> bool:
     available = host_available_bytes()
-    return available is None or found.host <= available
+    loaded = sum(p.nbytes for p in found.parts if p.name == STREAMED_WEIGHTS) if found.weights_loaded else 0
+    return available is None or found.host - loaded <= available
 
 
 def host_available_bytes() -> int | None:
@@ -480,21 +484,3 @@ def largest(fits, low: int, high: int) -> int:
 def gb(nbytes: float) -> float:
     """GB (10^9 bytes) to four significant digits."""
     return float(f"{nbytes / 1e9:.4g}")
-
-
-def step_floor_ms(plan_: MemoryPlan, model: Model, dtype: torch.dtype, bandwidth_gb_s: float | None) -> float | None:
-    """A decode step's lower bound from the host->device bytes it must move (``bandwidth_gb_s``, measured):
-    the budget's share of every offloaded row (all of them for ``full``, none for ``dense``) and every
-    streamed layer's weights."""
-    if bandwidth_gb_s is None:
-        return None
-    policy = policy_class(plan_.policy)
-    spec, work, config = model.spec, plan_.workload, plan_.config
-    weights = streamed_count(config, spec.n_layers) * model.layer_bytes
-    if not policy.offloads:
-        return weights / (bandwidth_gb_s * 1e9) * 1e3
-    offloaded = len(offloaded_layer_indices(model.config, config.dense_layers, True))
-    share = config.budget if policy.budgeted else 1.0
-    rows = offloaded * work.batch * spec.n_kv_heads * math.ceil(share * work.tokens)
-    nbytes = rows * row_bytes(spec.head_dim, dtype, policy.codec, config.kv_bits) + weights
-    return nbytes / (bandwidth_gb_s * 1e9) * 1e3

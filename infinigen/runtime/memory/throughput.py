@@ -13,6 +13,7 @@ rate, or the weights' multiply-adds at the measured matmul rate, whichever is lo
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +23,9 @@ import torch
 
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.memory import plan as memory
+from infinigen.runtime.memory.pool import row_bytes
+from infinigen.runtime.memory.sizing import offloaded_layer_indices, streamed_count
+from infinigen.runtime.selection.policies import policy_class
 
 MOST_ROWS = 4096  # the largest batch searched
 
@@ -94,12 +98,32 @@ def measured_rates(device: torch.device, dtype: torch.dtype, h2d_gb_s: float | N
     return DeviceRates(h2d, read, tflops)
 
 
+def step_floor_ms(
+    plan_: memory.MemoryPlan, model: memory.Model, dtype: torch.dtype, bandwidth_gb_s: float | None
+) -> float | None:
+    """A decode step's lower bound from the host->device bytes it must move (``bandwidth_gb_s``, measured):
+    the budget's share of every offloaded row (all of them for ``full``, none for ``dense``) and every
+    streamed layer's weights."""
+    if bandwidth_gb_s is None:
+        return None
+    policy = policy_class(plan_.policy)
+    spec, work, config = model.spec, plan_.workload, plan_.config
+    weights = streamed_count(config, spec.n_layers) * model.layer_bytes
+    if not policy.offloads:
+        return weights / (bandwidth_gb_s * 1e9) * 1e3
+    offloaded = len(offloaded_layer_indices(model.config, config.dense_layers, True))
+    share = config.budget if policy.budgeted else 1.0
+    rows = offloaded * work.batch * spec.n_kv_heads * math.ceil(share * work.tokens)
+    nbytes = rows * row_bytes(spec.head_dim, dtype, policy.codec, config.kv_bits) + weights
+    return nbytes / (bandwidth_gb_s * 1e9) * 1e3
+
+
 def step_estimate_ms(found: memory.MemoryPlan, rates: DeviceRates) -> float:
-    """A decode step's estimated time: what crosses the bus (``memory.step_floor_ms``: streamed layers and
+    """A decode step's estimated time: what crosses the bus (``step_floor_ms``: streamed layers and
     fetched rows) overlapped with the device's work, the longer of reading every weight and the GPU's
     KV (dense layers, sliding windows) and the weights' multiply-adds for the batch."""
     model, dtype = found.model, found.dtype
-    moved = memory.step_floor_ms(found, model, dtype, rates.h2d_gb_s)
+    moved = step_floor_ms(found, model, dtype, rates.h2d_gb_s)
     on_gpu = {"dense layers' KV", "sliding windows' KV"}
     read = model.weight_bytes + sum(p.nbytes for p in found.parts if p.name in on_gpu)
     flops = 2 * model.weight_bytes / dtype.itemsize * found.workload.batch
