@@ -28,6 +28,9 @@ from infinigen.runtime.memory.sizing import offloaded_layer_indices, streamed_co
 from infinigen.runtime.selection.policies import policy_class
 
 MOST_ROWS = 4096  # the largest batch searched
+# of the host memory available when the batch is chosen, what the run leaves for the rest of its process: a
+# batch chosen at 132.7 of 135 GB was refused once the weights had loaded (OPT-30B at 48 GB, H200)
+HOST_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -144,8 +147,11 @@ def best_batch(
     """The candidate with the most estimated tokens a second for rows of ``work``'s context and new tokens
     (its batch ignored), and every candidate walked (one per streamed-layer count); None where not even
     one row fits. ``most``: the largest batch worth having (a job's requests); ``host_bytes``: the host
-    memory a run may take (default: what is available now)."""
-    host = memory.host_available_bytes() if host_bytes is None else host_bytes
+    memory a run may take (default: what is available now less ``HOST_MARGIN``)."""
+    if host_bytes is None:  # less a tenth: the process's own (loading, CUDA's host allocations) beside the plan's
+        available = memory.host_available_bytes()
+        host_bytes = None if available is None else int(available * (1 - HOST_MARGIN))
+    host = host_bytes
 
     def planned(batch: int, settings: RuntimeConfig) -> memory.MemoryPlan:
         return memory.plan(model, dtype, replace(work, batch=batch), settings, budget)
