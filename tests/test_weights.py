@@ -76,15 +76,20 @@ def test_the_model_is_left_as_it_was_found(tokenizer, device):
 
 def test_streamed_layers_leave_the_device_until_their_turn(device):
     """Outside its forward a streamed layer's parameters are the host copy (a late reader cannot see
-    another layer's weights in a reused slot); the slots are as large as the largest streamed layer."""
+    another layer's weights in a reused slot); the slots are as large as the largest streamed layer, and
+    on CUDA each layer's host copy is one pinned block of its size."""
     model = tiny_model("llama").to(device)
     blocks = decoder_layers(model)
     with StreamedWeights(model, [1, 2], device) as weights:
         assert all(p.device.type == "cpu" for b in blocks[1:] for p in b.parameters())
         assert all(p.device.type == torch.device(device).type for p in blocks[0].parameters())
         assert [s.numel() for s in weights.slots] == [layer_bytes(blocks[1])] * 2
-        if device == "cuda":
+        if device == "cuda":  # each layer in one pinned block of exactly its bytes (no power-of-two rounding)
             assert all(p.is_pinned() for b in blocks[1:] for p in b.parameters())
+            assert [block.numel() for block in weights.pinned] == [layer_bytes(b) for b in blocks[1:]]
+            for block, layer in zip(weights.pinned, blocks[1:], strict=True):
+                start, end = block.data_ptr(), block.data_ptr() + block.numel()
+                assert all(start <= p.data_ptr() < end for p in layer.parameters())
 
 
 def test_slots_that_do_not_fit_leave_the_model_as_found(device, monkeypatch):

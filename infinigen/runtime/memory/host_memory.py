@@ -108,6 +108,17 @@ def _new_block(nbytes: int, device: torch.device) -> torch.Tensor:
     return carved if carved is not None else _mapped_block(nbytes, device)
 
 
+def pinned_block(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A (nbytes,) uint8 block of exactly ``nbytes``, pinned and mapped for CUDA ``device`` (PyTorch's pinned
+    allocator rounds each allocation up to a power of two); ``release`` unregisters it."""
+    return _mapped_block(nbytes, device)
+
+
+def release(block: torch.Tensor) -> None:
+    """Unregister a ``pinned_block``; its pages go with the last tensor viewing them."""
+    _free(block)
+
+
 def _mapped_block(nbytes: int, device: torch.device) -> torch.Tensor:
     """A (nbytes,) uint8 block of its own: pinned and mapped for ``device`` on CUDA, plain memory on the CPU."""
     if device.type != "cuda":
