@@ -301,9 +301,8 @@ class InfinigenCache(Cache):
     def fetch(
         self, layer: OffloadedLayer, selection: Selection, valid: torch.Tensor | None = None, step: bool = True
     ) -> Fetched:
-        """Start moving the selected rows of ``layer`` into a staging buffer; ``valid``: their
-        ``fetch_mask`` (computed here when not given); ``step``: False for a multi-token step, whose
-        selection is every cached row."""
+        """Start moving the selected rows of ``layer`` into a staging buffer; ``valid``: their ``fetch_mask``
+        (computed here when not given); ``step``: False for a multi-token step (every cached row selected)."""
         indices, count = self.selected_slots(layer, selection), selection.count
         if valid is None:
             valid = self.fetch_mask(layer, selection)
@@ -318,8 +317,8 @@ class InfinigenCache(Cache):
         packed = None
         moved = rows[:, :, :, :k]
         if layer.policy.codec is not None:  # rows move compressed; ``wait`` decodes them
-            shape = (batch, kv_heads, 2, k, layer.pool.shape[-1])
-            packed = moved = self._buffer("packed", parity, shape, layer.dtype, room)
+            width = layer.pool.shape[-1]
+            packed = moved = self._buffer("packed", parity, (*rows.shape[:3], k, width), layer.dtype, room)
         selection_end = self._selection_end()
         if step:
             ready = self._move(layer, indices, count, moved)
@@ -366,17 +365,13 @@ class InfinigenCache(Cache):
         return self.slot_range[:n]
 
     def _buffer(self, name: str, parity: int, shape: tuple[int, ...], dtype: torch.dtype, room: int) -> torch.Tensor:
-        """A view of a reusable staging buffer; two per name (double buffering across layers). ``shape``'s
-        token dimension (the last but one) is allocated at ``room`` tokens: the most the run fetches
-        (``OffloadedLayer.rows_room``), so it is allocated once, at the size the memory plan counted."""
+        """A staging buffer's view, two per name (layers alternate), made once at ``room`` tokens (``rows_room``)."""
         numel = math.prod(shape)
-        buffer = self.buffers.get((name, parity))
+        buffer = self.buffers.pop((name, parity), None)
         if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
-            self.buffers.pop((name, parity), None)
-            del buffer  # the old one's memory is free for the new (the side stream's use is recorded)
-            size = max(numel, numel // shape[-2] * room)
+            buffer, size = None, max(numel, numel // max(shape[-2], 1) * room)  # the old one's memory free
             buffer = self.on_both_streams(torch.empty(size, dtype=dtype, device=self.device))
-            self.buffers[name, parity] = buffer
+        self.buffers[name, parity] = buffer
         return buffer[:numel].view(shape)
 
     # --- streams: selections and row moves beside the compute --------------------------------
