@@ -300,6 +300,7 @@ def test_a_loaded_models_streamed_layers_are_not_counted_against_the_host_twice(
     weights = parts(found)[memory.STREAMED_WEIGHTS]
     monkeypatch.setattr(memory, "host_available_bytes", lambda: found.host - weights)
     assert not memory.fits_host(found) and memory.fits_host(replace(found, weights_loaded=True))
+    assert f"and streamed weights ({memory.gb(weights)} GB)" in memory.why_not(found)
 
 
 def test_plan_command_json_and_table(monkeypatch):
@@ -316,6 +317,11 @@ def test_plan_command_json_and_table(monkeypatch):
     assert {"weights", "decode: resident rows", "CPU KV pool", "prefill: attention mask"} <= names
     table = invoke("plan", *args[:-1])
     assert table.exit_code == 0 and "memory plan" in table.stdout and "largest context" in table.stdout
+    # the host too: a KV pool larger than the host memory available now is said to not fit, in the summary's words
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 10**9)
+    short = json.loads(invoke("plan", *args).stdout)
+    assert short["fits"] and not short["fits_host"] and short["host_available_gb"] == 1.0
+    assert short["refusal"].startswith("does not fit in host memory: 1 x 131072 tokens")
 
 
 @pytest.mark.parametrize(

@@ -71,8 +71,11 @@ def plan(
         "capacity": _capacity(subject, torch_dtype, work, config, budget),
         "throughput": _throughput(subject, torch_dtype, work, config, budget, device, bandwidth),
     }
-    if not found.fits:
-        report["refusal"] = memory.refusal(found)
+    available = memory.host_available_bytes()
+    report["host_available_gb"] = None if available is None else _gb(available)
+    report["fits_host"] = memory.fits_host(found)  # the host memory this machine has now
+    if why := memory.why_not(found):
+        report["refusal"] = why
     if printed_json(report, as_json):
         return
     _print(report)
@@ -183,8 +186,10 @@ def _print(report: dict) -> None:
     summary = {
         "GPU budget": "none" if report["budget_gb"] is None else f"{report['budget_gb']} GB ({report['budget_from']})",
         "GPU peak": f"{report['peak_gpu_gb']} GB (with the allocator's slack {report['needed_gpu_gb']} GB)",
-        "fits": "yes" if report["fits"] else "no",
-        "host": f"{report['host_gb']} GB",
+        "fits": "no: the GPU" if not report["fits"] else "no: host memory" if not report["fits_host"] else "yes",
+        "host": f"{report['host_gb']} GB"
+        + ("" if report["host_available_gb"] is None else f" ({report['host_available_gb']} GB available now)")
+        + ("" if report["fits_host"] else ": does not fit"),
         "settings": ", ".join(f"{key} {value}" for key, value in settings.items()),
         "given up": "; ".join(report["shed"]) or "nothing",
         "decode step floor": "n/a (no GPU)"

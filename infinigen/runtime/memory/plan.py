@@ -418,18 +418,28 @@ def why_not(found: MemoryPlan, **opts) -> str | None:
         return "does not fit: " + refusal(found, **opts)
     if not fits_host(found):
         work, available = found.workload, host_available_bytes()
+        weights = 0 if found.weights_loaded else _streamed_weights(found)
+        what = f" and streamed weights ({gb(weights)} GB)" if weights else ""
         return (
             f"does not fit in host memory: {work.batch} x {work.context} tokens (+{work.new_tokens} new) with "
-            f"{found.policy} needs {gb(found.host)} GB for its CPU KV pool, {gb(available)} GB is available; "
-            "--kv-bits 8 halves the pool, --cpu-pool-gb caps it (evicting), or a shorter context or batch"
+            f"{found.policy} needs {gb(_host_needed(found))} GB for its CPU KV pool{what}, {gb(available)} GB is "
+            "available; --kv-bits 8 halves the pool, --cpu-pool-gb caps it (evicting), or a shorter context or batch"
         )
     return None
 
 
 def fits_host(found: MemoryPlan) -> bool:
     available = host_available_bytes()
-    loaded = sum(p.nbytes for p in found.parts if p.name == STREAMED_WEIGHTS) if found.weights_loaded else 0
-    return available is None or found.host - loaded <= available
+    return available is None or _host_needed(found) <= available
+
+
+def _host_needed(found: MemoryPlan) -> int:
+    """The host memory a run must still take: its plan's, less streamed weights loaded already."""
+    return found.host - (_streamed_weights(found) if found.weights_loaded else 0)
+
+
+def _streamed_weights(found: MemoryPlan) -> int:
+    return sum(p.nbytes for p in found.parts if p.name == STREAMED_WEIGHTS)
 
 
 def host_available_bytes() -> int | None:
