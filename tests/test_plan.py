@@ -72,7 +72,8 @@ def test_weights_are_the_models_parameters(arch):
 def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
     """A tiny model decoded through the runtime (chunked prefill, then decode steps): its dense layers'
     buffers, its sliding-window rings (Gemma 3), its offloaded layers' slot state (validity, 4-bit partial
-    keys and their scales; 8-bit rows' scales and channel factors), its CPU pools and its decode steps' two
+    keys and their scales; 8-bit rows' scales and channel factors), its speculators' partial projections
+    (2.4 GB for OPT-30B: a plan without them missed its peak by 5-8%), its CPU pools and its decode steps' two
     staging buffers hold exactly the bytes the plan gives them; the run crosses a pool block while decoding,
     and the staging buffers, made at the run's last capacity, never grow (a doubled one ran a plan out)."""
     from helpers import tiny_setup
@@ -102,6 +103,7 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
         if kv_bits == 8:
             state += sum(layer.pool.scales.nbytes + layer.pool.factors.nbytes for layer in offloaded)
         pools = sum(layer.pool.nbytes for layer in offloaded)
+        projections = sum(b.nbytes for layer in offloaded for b in layer.speculator.buffers())
         staging = {name: buffer.nbytes for name, buffer in cache.buffers.items()}
         dense_layers = sum(type(layer) is DenseLayer for layer in cache.layers)
     channels = padded_channels(artifact.channels(offloaded[0].index).shape[-1])
@@ -113,6 +115,7 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
     assert dense == dense_layers * kv_row * work.tokens  # told the run's length: never grown
     assert held(DenseLayer) == dense and held(SlidingLayer) == planned["sliding windows' KV"]
     assert state == planned["offloaded layers' slot state"] and pools == planned["CPU KV pool"]
+    assert projections == planned["speculators' projections"] > 0  # OPT's: folded query rows over the hidden size
     assert min(dense, state, pools) > 0 and (held(SlidingLayer) > 0) == (arch == "gemma3")
     assert {name for name, _ in staging} == {"rows"}  # one per layer parity (a tiny model may use one)
     assert all(2 * nbytes == planned["decode: fetch staging"] for nbytes in staging.values())

@@ -199,6 +199,9 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
         factors = kv * 2 * d * 4 if config.kv_bits == 8 else 0  # 8-bit rows' channel factors, float32
         state = int(len(offloaded) * (batch * kv * capacity * per_slot + factors))
         parts.append(Part("offloaded layers' slot state", "gpu", state))
+        if policy.speculates:  # partial key columns; the query's per head (OPT: folded rows over the hidden size)
+            query = heads * channels * (d if spec.rope else model.hidden + 1)
+            parts.append(Part("speculators' projections", "gpu", len(offloaded) * (query + kv * d * channels) * e))
         budgets = opts.get("layer_budgets") or [config.budget] * len(offloaded)
         if reuse_on:
             extra = config.resident_extra_or_default
