@@ -93,3 +93,19 @@ def test_rates_are_measured_on_the_device():
     rates = measured_rates(torch.device("cuda"), torch.bfloat16)
     assert rates.h2d_gb_s > 1 and rates.device_gb_s > rates.h2d_gb_s and rates.matmul_tflops > 1
     assert measured_rates(torch.device("cpu"), torch.bfloat16) is None
+
+
+def test_bench_table_shows_the_plans_batch_and_each_steps_bound(monkeypatch, capsys):
+    """For people: the step over its bound as a column, and what the throughput plan chose under the table."""
+    from rich.console import Console
+
+    from infinigen.cli import bench, render
+
+    monkeypatch.setattr(render, "console", Console(width=300))
+    row = {"policy": "infinigen", "budget": 0.1, "batch": 37, "prompt_len": 1920, "ms_per_step": 600.0}
+    plan = {"policy": "infinigen", "context": 1920, "batch": 37, "streamed_layers": 23, "rates": {}}
+    report = {"pinned_h2d_gb_s": 50.0, "breakdown": [], "model": None, "shape": "opt-30b", "dtype": "float16"}
+    report |= {"device": "H200", "results": [row | {"step_over_bound": 1.12}]}
+    bench._print_bench(report | {"throughput_plan": [plan | {"tokens_per_s_estimate": 53.3}]})
+    out = capsys.readouterr().out
+    assert "step / bound" in out and "1.12" in out and "throughput plan at 1920 tokens" in out and "53.3" in out

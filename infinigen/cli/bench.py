@@ -12,7 +12,7 @@ import typer
 from infinigen.bench import HF_BASELINES
 from infinigen.cli.app import command
 from infinigen.cli.options import DeviceOpt, JsonOpt, parse_list, runtime_options
-from infinigen.cli.render import print_rows, printed_json, progress, stream_row
+from infinigen.cli.render import print_pairs, print_rows, printed_json, progress, stream_row
 from infinigen.errors import InfinigenError
 
 ShapeOpt = Annotated[
@@ -440,6 +440,7 @@ BENCH_COLUMNS = {
     "H2D GB/s": "h2d_gb_s",
     "% of pinned BW": "share_of_pinned",
     "wait ms/step": "wait_ms_per_step",
+    "step / bound": "step_over_bound",  # where bytes cross the link every step (streamed weights, rows)
     "prefill s": "prefill_s",
     "peak GPU GB": "decode_peak_gpu_gb",
     "error": "error",  # a case that did not fit
@@ -471,6 +472,8 @@ def _print_bench(report: dict) -> None:
     swept = _swept(rows)
     columns = dict(list(BENCH_COLUMNS.items())[:2]) | swept | BENCH_COLUMNS  # what the sweeps vary, after the budget
     print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), columns, rows)
+    for plan in report.get("throughput_plan", []):  # the batch an autoxN size ran
+        print_pairs(f"throughput plan at {plan['context']} tokens", {k: v for k, v in plan.items() if k != "rates"})
     if report["breakdown"]:
         columns = {"policy": "policy", "budget": "budget"} | swept | {"batch": "batch", "context": "prompt_len"}
         columns |= {"step ms": "step_ms", "compute-only ms": "compute_only_ms"}
