@@ -367,11 +367,11 @@ class InfinigenCache(Cache):
     def _buffer(self, name: str, parity: int, shape: tuple[int, ...], dtype: torch.dtype, room: int) -> torch.Tensor:
         """A staging buffer's view, two per name (layers alternate), made once at ``room`` tokens (``rows_room``)."""
         numel = math.prod(shape)
-        buffer = self.buffers.pop((name, parity), None)
+        buffer = self.buffers.get((name, parity))
         if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
-            buffer, size = None, max(numel, numel // max(shape[-2], 1) * room)  # the old one's memory free
-            buffer = self.on_both_streams(torch.empty(size, dtype=dtype, device=self.device))
-        self.buffers[name, parity] = buffer
+            self.buffers[name, parity] = buffer = None  # the old one's memory free for the new
+            empty = torch.empty(max(numel, numel // max(shape[-2], 1) * room), dtype=dtype, device=self.device)
+            buffer = self.buffers[name, parity] = self.on_both_streams(empty)
         return buffer[:numel].view(shape)
 
     # --- streams: selections and row moves beside the compute --------------------------------
