@@ -109,3 +109,22 @@ def test_bench_table_shows_the_plans_batch_and_each_steps_bound(monkeypatch, cap
     bench._print_bench(report | {"throughput_plan": [plan | {"tokens_per_s_estimate": 53.3}]})
     out = capsys.readouterr().out
     assert "step / bound" in out and "1.12" in out and "throughput plan at 1920 tokens" in out and "53.3" in out
+
+
+def test_a_batch_job_streams_the_layers_of_the_most_tokens_per_second(tokenizer, monkeypatch):
+    """A job whose weights exceed the budget (OPT-30B shape, 16 GB, 64 short requests): on a GPU (its rates
+    stood in for here) the load streams throughput mode's layer count for the longest request, more than the
+    fewest with which one row fits."""
+    from infinigen.batch import runner
+    from infinigen.batch.records import Request
+
+    monkeypatch.setattr(runner, "measured_rates", lambda device, dtype: RATES)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: HOST)
+    requests = [Request(id=i, line=i + 1, prompt="the old house " * 100, max_new_tokens=16) for i in range(64)]
+    settings, config = {"policy": "full", "gpu_memory_gb": 16.0}, shape_config("opt-30b")
+    placed = runner.weights_plan(settings, requests, max_batch=64)(config, tokenizer, F16, torch.device("cpu"))
+    length = len(runner.prompt_ids(tokenizer, requests[0]))
+    budget = memory.budget_bytes(16.0, torch.device("cpu"))
+    work = memory.Workload(1, length, 16, 4096)
+    best, candidates = best_batch(opt_30b(), F16, work, RuntimeConfig(policy="full"), budget, RATES, 64)
+    assert placed.streamed_layers == best.streamed_layers > candidates[0].streamed_layers
