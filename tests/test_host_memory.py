@@ -223,17 +223,17 @@ def test_a_reservation_that_could_not_be_made_leaves_blocks_of_their_own(tokeniz
     """Host memory short at start-up: the regions fail on the workers, and the pools make their own."""
     flush_retired(device)
     monkeypatch.setattr(host_memory, "_reserved", host_memory.defaultdict(list))
-    mapped = host_memory._mapped_block
+    mapped = host_memory.pinned_block
 
     def short(nbytes, on):
         if nbytes > 4 * host_memory.PAGE:
             raise MemoryError("no room for the region")
         return mapped(nbytes, on)
 
-    monkeypatch.setattr(host_memory, "_mapped_block", short)
+    monkeypatch.setattr(host_memory, "pinned_block", short)
     futures = host_memory.reserve_host_memory(64 * host_memory.PAGE, device)
     assert all(isinstance(future.exception(), MemoryError) for future in futures)
-    monkeypatch.setattr(host_memory, "_mapped_block", mapped)
+    monkeypatch.setattr(host_memory, "pinned_block", mapped)
     model, artifact = tiny_setup(tokenizer, "llama", device)
     cache = cache_for(model, artifact, block_tokens=8, budget=0.5)
     prefill(model, cache, batch=2, tokens=20, device=device)

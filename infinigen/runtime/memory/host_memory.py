@@ -43,7 +43,7 @@ _lock = threading.RLock()
 _retired: list[tuple[torch.device, torch.Tensor]] = []
 # every block this process registered and has not unregistered, by data_ptr: held here so that its
 # mapping outlives every other reference (unmapping registered pages would leave CUDA a registration
-# that the next mapping at that address collides with) until ``_free`` unregisters it
+# that the next mapping at that address collides with) until ``release`` unregisters it
 _registered: dict[int, torch.Tensor] = {}
 # reserved regions (``reserve_host_memory``) by device, as they are made; and every block carved from one, by data_ptr
 _reserved: dict[torch.device, list[Future]] = defaultdict(list)
@@ -75,7 +75,7 @@ def release_retired(device: torch.device) -> int:
     if mine and device.type == "cuda":
         torch.cuda.synchronize(device)  # no queued work may still read them
     for block in mine:
-        _free(block)
+        release(block)
     return sum(block.numel() for block in mine)
 
 
@@ -105,22 +105,12 @@ def _new_block(nbytes: int, device: torch.device) -> torch.Tensor:
     """A (nbytes,) uint8 block: carved from the device's reservation where one has room, else pinned
     and mapped for ``device`` on CUDA, plain memory on the CPU."""
     carved = _carve(nbytes, device)
-    return carved if carved is not None else _mapped_block(nbytes, device)
+    return carved if carved is not None else pinned_block(nbytes, device)
 
 
 def pinned_block(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A (nbytes,) uint8 block of exactly ``nbytes``, pinned and mapped for CUDA ``device`` (PyTorch's pinned
-    allocator rounds each allocation up to a power of two); ``release`` unregisters it."""
-    return _mapped_block(nbytes, device)
-
-
-def release(block: torch.Tensor) -> None:
-    """Unregister a ``pinned_block``; its pages go with the last tensor viewing them."""
-    _free(block)
-
-
-def _mapped_block(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A (nbytes,) uint8 block of its own: pinned and mapped for ``device`` on CUDA, plain memory on the CPU."""
+    """A (nbytes,) uint8 block of its own, of exactly ``nbytes`` (PyTorch's pinned allocator rounds up to a power
+    of two): pinned and mapped for ``device`` on CUDA, plain memory on the CPU; ``release`` hands it back."""
     if device.type != "cuda":
         return torch.empty(nbytes, dtype=torch.uint8)
     # A mapping of its own: page-aligned, so no two registrations share a page. Its pages are faulted
@@ -149,7 +139,7 @@ def _clear_cuda_error() -> None:
         ctypes.CDLL(path).cudaGetLastError()
 
 
-def _free(block: torch.Tensor) -> None:
+def release(block: torch.Tensor) -> None:
     """Unregister a block here, on the thread that plans (at a prefill, never inside a captured
     step), and unmap it on a worker (0.8 s for 8 GiB, against 0.15 s to unregister it)."""
     with _lock:
@@ -201,7 +191,7 @@ def reserve_host_memory(nbytes: int, device: torch.device | str = "cuda", region
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     size = -(-nbytes // (regions * PAGE)) * PAGE  # whole pages, the total rounded up
-    futures = [_workers().submit(lambda: _Region(_mapped_block(size, device))) for _ in range(regions)]
+    futures = [_workers().submit(lambda: _Region(pinned_block(size, device))) for _ in range(regions)]
     with _lock:
         _reserved[device].extend(futures)
     return futures
@@ -247,7 +237,7 @@ class HostBlocks:
         reused = [self.spare[nbytes].pop() if self.spare[nbytes] else None for nbytes in sizes]
         for blocks in self.spare.values():  # the rest, freed before new blocks take the host's memory
             while blocks:
-                _free(blocks.pop())
+                release(blocks.pop())
         self.spare.clear()
         for nbytes, block in zip(sizes, reused, strict=True):
             if block is None:

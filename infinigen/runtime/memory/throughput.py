@@ -44,10 +44,16 @@ class DeviceRates:
 
 @dataclass(frozen=True)
 class Candidate:
-    streamed_layers: int
-    batch: int
+    plan: memory.MemoryPlan  # the largest batch at its streamed-layer count
     step_ms: float  # estimated (``step_estimate_ms``)
-    plan: memory.MemoryPlan
+
+    @property
+    def streamed_layers(self) -> int:
+        return self.plan.config.streamed_layers or 0
+
+    @property
+    def batch(self) -> int:
+        return self.plan.workload.batch
 
     @property
     def tokens_per_s(self) -> float:
@@ -171,5 +177,5 @@ def best_batch(
         if batch < 1:
             continue
         found = planned(batch, settings)
-        candidates.append(Candidate(streamed, batch, step_estimate_ms(found, rates), found))
+        candidates.append(Candidate(found, step_estimate_ms(found, rates)))
     return max(candidates, key=lambda c: c.tokens_per_s, default=None), candidates
