@@ -164,14 +164,13 @@ def _streamed_random_model(config, device: str, dtype: torch.dtype, settings: Ru
     small = AutoModelForCausalLM.from_config(_one_layer(config), dtype=dtype)
     blocks = decoder_layers(model)
     on_host = {id(p) for block in blocks[len(blocks) - settings.streamed_layers :] for p in block.parameters()}
-    pinned = torch.device(device).type == "cuda"
     made: dict[int, nn.Parameter] = {}  # tied weights made once
     std = getattr(config, "initializer_range", 0.02)
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         owner, _, leaf = name.rpartition(".")
         if id(param) not in made:
             host = id(param) in on_host
-            made[id(param)] = _random_parameter(param.shape, name, dtype, device, host, pinned, std)
+            made[id(param)] = _random_parameter(param.shape, name, dtype, device, host, std)
         setattr(model.get_submodule(owner), leaf, made[id(param)])
     small_buffers = dict(small.named_buffers())
     for name, _ in list(model.named_buffers()):
@@ -182,9 +181,11 @@ def _streamed_random_model(config, device: str, dtype: torch.dtype, settings: Ru
     return model.eval()
 
 
-def _random_parameter(shape, name: str, dtype, device: str, host: bool, pinned: bool, std: float) -> nn.Parameter:
-    """One parameter's random values, made on ``device`` (fast) and kept there or in (pinned) host memory;
-    the device copy of a host one is gone when this returns, before the next is made or the slots are."""
+def _random_parameter(shape, name: str, dtype, device: str, host: bool, std: float) -> nn.Parameter:
+    """One parameter's random values, made on ``device`` (fast) and kept there or in host memory; the device
+    copy of a host one is gone when this returns, before the next is made or the slots are. Host copies are
+    plain memory: streaming moves each layer into a pinned block of its own and frees them (pinned by
+    PyTorch's caching allocator they would stay cached, rounded up: a 70B shape's twice over the host's)."""
     random = torch.empty(shape, dtype=dtype, device=device)
     if random.dim() > 1:
         random.normal_(0.0, std)
@@ -192,8 +193,7 @@ def _random_parameter(shape, name: str, dtype, device: str, host: bool, pinned: 
         random.fill_(1.0 if "norm" in name else 0.0)
     if not host:
         return nn.Parameter(random, requires_grad=False)
-    data = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
-    return nn.Parameter(data.copy_(random), requires_grad=False)
+    return nn.Parameter(random.cpu(), requires_grad=False)
 
 
 def _one_layer(config):

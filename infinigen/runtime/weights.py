@@ -80,9 +80,10 @@ class StreamedWeights:
         self.params = [list(block.parameters()) for block in self.blocks]
         self.homes = [[p.device for p in params] for params in self.params]
         self.pinned: list[torch.Tensor] = []  # CUDA: each streamed layer's host block (``_host_copies``)
-        self.hosts = [self._host_copies(params) for params in self.params]
-        for params, hosts in zip(self.params, self.hosts, strict=True):
-            for param, host in zip(params, hosts, strict=True):
+        self.hosts: list[list[torch.Tensor]] = []
+        for params in self.params:  # layer by layer: an original is freed before the next layer's block is made
+            self.hosts.append(self._host_copies(params))
+            for param, host in zip(params, self.hosts[-1], strict=True):
                 param.data = host
         size = max(layer_bytes(block) for block in self.blocks)
         count = min(ahead + 2, len(self.blocks))
