@@ -117,7 +117,7 @@ def pinned_block(nbytes: int, device: torch.device) -> torch.Tensor:
     # in here, on this worker: registering absent pages is 3-5x slower. (MAP_POPULATE instead made the
     # prefill slower still, 8 x 16K: 10.6 against 6.1 s, and OPT-13B's decode steps 3.6x slower.)
     block = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).zero_()
-    torch.cuda.set_device(device)  # register in this device's context, not device 0's
+    torch.cuda.set_device(_indexed(device))  # register in this device's context, not device 0's
     if int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, _REGISTER_MAPPED_PORTABLE)) != 0:
         _clear_cuda_error()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # PyTorch's pinned allocator instead
