@@ -15,6 +15,7 @@ from helpers import EXACT, greedy, padded_batch, tiny_setup
 from infinigen.architectures import decoder_layers
 from infinigen.errors import InfinigenError
 from infinigen.runtime import RuntimeConfig, cache_for
+from infinigen.runtime.memory.sizing import streamed_layer_indices
 from infinigen.runtime.weights import StreamedWeights, layer_bytes, place_weights, streamed_weights
 
 PROMPTS = [[5, 9, 23, 7, 41, 3, 11, 60, 2, 17, 33, 8], [14, 6, 90, 21, 4, 12, 44]]
@@ -124,7 +125,7 @@ def test_bad_streaming_requests_are_refused_in_one_line():
 
 
 def test_a_cache_streams_the_weights_its_plan_streams_and_restores_them(tokenizer, device):
-    """``streamed_layers`` on a cache: its last layers stream while it lives (dense decoding unchanged) and
+    """``streamed_layers`` on a cache: its layers stream while it lives (dense decoding unchanged) and
     are back where they were after ``close()``; a model whose caller streams it already is left to it, and
     refused where it streams too few layers ahead for the policy's speculation."""
     model, artifact = tiny_setup(tokenizer, "llama", device)
@@ -169,7 +170,7 @@ def test_a_model_in_host_memory_is_placed_without_its_streamed_layers(tokenizer,
 
 
 def test_generate_streams_the_layers_asked_and_says_so(prepared):
-    """``infinigen generate --streamed-layers N``: the model loads with its last N layers in host memory
+    """``infinigen generate --streamed-layers N``: the model loads with N of its layers in host memory
     (streamed), the same text as with none, the plan's summary saying so."""
     folder, out = prepared("llama")
     args = ("generate", str(folder), "--artifact", str(out), "--prompt", "the house was old and the street")
@@ -206,7 +207,7 @@ def test_a_batch_job_loads_with_its_streamed_layers_in_host_memory(prepared, tmp
 
 
 def test_bench_builds_a_random_shape_with_its_streamed_layers_in_host_memory():
-    """``bench --shape S --streamed-layers N``: the random model is made with its last N layers in host
+    """``bench --shape S --streamed-layers N``: the random model is made with N layers spread through it in host
     memory (never whole on the device), every case of ours plans and runs with them, transformers' caches
     run over the same streamed model; the streamed model's buffers are a usual build's."""
     from infinigen.bench.shapes import random_model
@@ -214,7 +215,7 @@ def test_bench_builds_a_random_shape_with_its_streamed_layers_in_host_memory():
     settings = RuntimeConfig(policy="full", streamed_layers=2)
     model = random_model("tiny-llama", "cpu", torch.float32, streamed=settings)
     usual = random_model("tiny-llama", "cpu", torch.float32)
-    assert streamed_weights(model).order == [2, 3] and not any(p.is_meta for p in model.parameters())
+    assert streamed_weights(model).order == [1, 3] and not any(p.is_meta for p in model.parameters())
     assert all(torch.equal(b, dict(usual.named_buffers())[n]) for n, b in model.named_buffers())
     streamed_weights(model).close()
     args = ("bench", "--shape", "tiny-llama", "--sizes", "2x64", "--policy", "dense,full,infinigen,hf-dynamic")
@@ -225,3 +226,15 @@ def test_bench_builds_a_random_shape_with_its_streamed_layers_in_host_memory():
     rows = json.loads(result.stdout)["results"]
     assert all(row.get("error") is None and row["ms_per_step"] > 0 for row in rows)
     assert [row["streamed_layers"] for row in rows if row["policy"] != "hf-dynamic"] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("layers, count", [(32, 17), (80, 43), (48, 23), (4, 2), (3, 3), (5, 9), (6, 0)])
+def test_streamed_layers_spread_through_the_stack(layers, count):
+    """The layers a plan streams: exactly as many as asked (at most all), the last among them, no two runs of
+    resident layers differing by more than one (each hides the next streamed layer's copy)."""
+    picked = streamed_layer_indices(RuntimeConfig(streamed_layers=count), layers)
+    assert len(picked) == min(count, layers) and picked == sorted(set(picked))
+    if picked:
+        assert picked[-1] == layers - 1
+        gaps = [b - a - 1 for a, b in zip([-1, *picked[:-1]], picked, strict=True)]
+        assert max(gaps) - min(gaps) <= 1

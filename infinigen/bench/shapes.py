@@ -152,18 +152,19 @@ def random_model(
 
 
 def _streamed_random_model(config, device: str, dtype: torch.dtype, settings: RuntimeConfig) -> PreTrainedModel:
-    """Random weights where the plan keeps them: the last ``settings.streamed_layers`` decoder layers in
-    (pinned) host memory, streamed from then on, the rest on ``device``. Built on the meta device and made
+    """Random weights where the plan keeps them: the decoder layers ``settings`` streams in host memory
+    (``streamed_layer_indices``), streamed from then on, the rest on ``device``. Built on the meta device and made
     in place, so the whole model never exists in one place (a 70B shape exceeds the host memory too); its
     buffers (rotary tables) from a one-layer copy built as usual."""
     from infinigen.architectures import decoder_layers
+    from infinigen.runtime.memory.sizing import streamed_layer_indices
     from infinigen.runtime.weights import weights_for_run
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     small = AutoModelForCausalLM.from_config(_one_layer(config), dtype=dtype)
     blocks = decoder_layers(model)
-    on_host = {id(p) for block in blocks[len(blocks) - settings.streamed_layers :] for p in block.parameters()}
+    on_host = {id(p) for i in streamed_layer_indices(settings, len(blocks)) for p in blocks[i].parameters()}
     made: dict[int, nn.Parameter] = {}  # tied weights made once
     std = getattr(config, "initializer_range", 0.02)
     for name, param in list(model.named_parameters(remove_duplicate=False)):

@@ -168,9 +168,9 @@ class RuntimeConfig:
     # last resort of the memory plan: a streamed layer's weights cross the bus at every forward
     streamed_layers: int | None = option(
         None,
-        "Decoder layers (the last ones) whose weights live in host memory and reach the GPU one layer ahead of "
-        "their use: for models larger than the card. Default: as few as the GPU budget needs, none where the "
-        "weights fit.",
+        "Decoder layers (spread evenly through the stack) whose weights live in host memory and reach the GPU "
+        "one layer ahead of their use: for models larger than the card. Default: as few as the GPU budget "
+        "needs, none where the weights fit.",
     )
     gpu_memory_gb: float | None = option(
         None,

@@ -26,7 +26,7 @@ from torch import nn
 from infinigen.architectures import decoder_layers
 from infinigen.errors import InfinigenError
 from infinigen.runtime.memory import host_memory
-from infinigen.runtime.memory.sizing import slot_bytes, streamed_count, weights_ahead
+from infinigen.runtime.memory.sizing import slot_bytes, streamed_layer_indices, weights_ahead
 from infinigen.runtime.streams import side_stream
 from infinigen.tensor_parallel import quantised
 
@@ -208,11 +208,11 @@ def streamed_weights(model: nn.Module) -> StreamedWeights | None:
 
 
 def weights_for_run(model: nn.Module, config, device: torch.device, ranks: int = 1) -> StreamedWeights | None:
-    """The last ``config.streamed_layers`` decoder layers streamed for one run (a cache's lifetime), or None
-    where none are to stream or the caller streams the model's weights already (the command line does,
-    once a process)."""
-    n = len(decoder_layers(model))
-    streamed, ahead, theirs = streamed_count(config, n), weights_ahead(config.policy), streamed_weights(model)
+    """``config.streamed_layers`` decoder layers (``streamed_layer_indices``) streamed for one run (a cache's
+    lifetime), or None where none are to stream or the caller streams the model's weights already (the
+    command line does, once a process)."""
+    streamed = streamed_layer_indices(config, len(decoder_layers(model)))
+    ahead, theirs = weights_ahead(config.policy), streamed_weights(model)
     if theirs is not None and theirs.ahead < ahead:  # the next layer's weights would still be in host memory
         raise InfinigenError(
             f"policy {config.policy!r} reads the next decoder layer's weights during each layer: the model's weights "
@@ -222,7 +222,7 @@ def weights_for_run(model: nn.Module, config, device: torch.device, ranks: int =
         return None
     if ranks > 1:
         raise InfinigenError("streamed weights run in one process: not under tensor parallelism")
-    return StreamedWeights(model, range(n - streamed, n), device, ahead)
+    return StreamedWeights(model, streamed, device, ahead)
 
 
 def place_weights(model: nn.Module, device: torch.device | str, config) -> StreamedWeights | None:
@@ -231,8 +231,8 @@ def place_weights(model: nn.Module, device: torch.device | str, config) -> Strea
     whole model never needs to fit on the device."""
     device = torch.device(device)
     layers = decoder_layers(model)
-    streamed = streamed_count(config, len(layers))
-    kept = {id(p) for layer in layers[len(layers) - streamed :] for p in layer.parameters()}
+    streamed = streamed_layer_indices(config, len(layers))
+    kept = {id(p) for i in streamed for p in layers[i].parameters()}
     for module in model.modules():
         for param in module._parameters.values():
             if param is not None and id(param) not in kept:
