@@ -64,6 +64,31 @@ def test_a_failed_registration_falls_back_to_pinned_memory_and_leaves_no_cuda_er
     assert out.sum().item() == 8
 
 
+@pytest.mark.cuda
+def test_a_token_range_of_pool_blocks_moves_as_one_2d_copy_both_ways():
+    """``copy_runs``: a token range of a (B, H, T, 2, w) host block written from the device and read back into
+    part of a staging block, each as one 2D copy; a lone run too; a layout whose runs are not one pitch apart
+    refused, nothing copied."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda", torch.cuda.current_device())
+    shape, dtype = (3, 5, 16, 2, 8), torch.bfloat16
+    block = host_memory.pinned_block(torch.Size(shape).numel() * 2, device).view(dtype).view(shape)
+    rows = torch.randn(3, 5, 6, 2, 8, device=device, dtype=dtype)
+    staged = torch.zeros(3, 5, 9, 2, 8, device=device, dtype=dtype)
+    assert host_memory.copy_runs(block[:, :, 4:10], rows)
+    assert host_memory.copy_runs(staged[:, :, 1:7], block[:, :, 4:10])
+    assert host_memory.copy_runs(staged[:1, :1, 7:9], block[:1, :1, 4:6])
+    torch.cuda.synchronize()
+    assert torch.equal(block[:, :, 4:10].to(device), rows) and torch.equal(staged[:, :, 1:7], rows)
+    assert torch.equal(staged[0, 0, 7:9], rows[0, 0, :2])
+    before = block.clone()
+    assert not host_memory.copy_runs(block[:, :, 4:10].transpose(0, 1), rows.transpose(0, 1).contiguous())
+    torch.cuda.synchronize()
+    assert torch.equal(block, before)
+    host_memory.release(block.view(-1).view(torch.uint8))
+
+
 def test_a_dropped_host_blocks_retires_its_unused_blocks(device):
     flush_retired(device)
     host = HostBlocks(torch.device(device))

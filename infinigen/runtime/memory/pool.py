@@ -23,7 +23,7 @@ import torch
 
 from infinigen.runtime.kernels import int8_rows, transfer
 from infinigen.runtime.kernels.buffers import grown_to
-from infinigen.runtime.memory.host_memory import HostBlocks, retire
+from infinigen.runtime.memory.host_memory import HostBlocks, copy_runs, retire
 from infinigen.runtime.selection.policies.base import RowCodec
 
 
@@ -186,12 +186,14 @@ class KVPool:
 
 def _copy_runs(target: torch.Tensor, source: torch.Tensor) -> None:
     """target <- source, (B, H, T, 2, w), one of them (on the host) part of a pool block. Part of a
-    block is strided, which ``copy_`` would stage in pageable memory: on CUDA one DMA copy per (batch
-    row, head) run instead (not the GPU's own stores either, which reach freshly registered pages at a
-    tenth of the link: 3.7 vs 40 GB/s on an H100, BENCHMARKS "Prefill")."""
+    block is strided, which ``copy_`` would stage in pageable memory: on CUDA one 2D DMA copy of every
+    (batch row, head) run (``host_memory.copy_runs``), else one copy per run (not the GPU's own stores,
+    which reach freshly registered pages at a tenth of the link: 3.7 vs 40 GB/s, BENCHMARKS "Prefill")."""
     host = target if target.device.type == "cpu" else source
     if host.is_contiguous() or "cuda" not in (target.device.type, source.device.type):
         target.copy_(source, non_blocking=True)
+        return
+    if copy_runs(target, source):  # one 2D copy of every run
         return
     for run, part in zip(target.flatten(0, 1), source.flatten(0, 1), strict=True):
         run.copy_(part, non_blocking=True)
