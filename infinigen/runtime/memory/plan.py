@@ -13,7 +13,9 @@ needs, each step stated (``MemoryPlan.shed``):
   ``prefill_block_tokens``);
 - only where neither suffices, dense layers, down to 0 (a speculating policy then selects layer 0 from
   its own input, fetching without overlap: the paper keeps it dense for accuracy), each time with the
-  most of the above that then fits.
+  most of the above that then fits;
+- only where nothing fits, weights streamed from host memory, with the settings of the fewest bytes over
+  the run (``streaming``).
 
 Peaks: parts held through the run (``run``) add up; what the prefill needs (``prefill``: a chunk's
 workspace) and what decoding needs (``decode``: fetched or resident rows, a step's workspace) never
@@ -33,7 +35,7 @@ import torch
 from infinigen.architectures import decoder_layers, model_spec, sliding_windows
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.kernels.chunk_attention import ALIGN
-from infinigen.runtime.memory import host_memory, reuse
+from infinigen.runtime.memory import host_memory, reuse, streaming
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import (
     host_pool_size,
@@ -304,12 +306,8 @@ def plan(
             return tried
     if config.streamed_layers is not None or not model.layer_bytes or opts.get("ranks", 1) > 1:
         return tried
-    # the last resort: the fewest streamed layers with which the most shed settings fit, then at that count
-    # the most asked settings that fit (a streamed layer's weights cross the bus at every forward)
-    fewest = next((n for n in range(1, model.spec.n_layers + 1) if planned(*candidates[-1], n).fits), None)
-    if fewest is None:
-        return tried
-    return next(found for found in (planned(*c, fewest) for c in candidates) if found.fits)
+    # the last resort: streamed weights, with the settings that move the fewest bytes (``streaming``)
+    return streaming.least_moved(candidates, planned, model.spec.n_layers) or tried
 
 
 def _candidates(config: RuntimeConfig, policy, work: Workload, auto_reuse: bool, reuse_on: bool):
