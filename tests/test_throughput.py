@@ -12,7 +12,13 @@ from conftest import invoke
 from infinigen.bench.shapes import shape_config
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.memory import plan as memory
-from infinigen.runtime.memory.throughput import DeviceRates, best_batch, measured_rates, step_estimate_ms
+from infinigen.runtime.memory.throughput import (
+    DeviceRates,
+    best_batch,
+    measured_rates,
+    prefill_estimate_ms,
+    step_estimate_ms,
+)
 
 RATES = DeviceRates(h2d_gb_s=50.0, device_gb_s=4000.0, matmul_tflops=500.0)  # an H200's order of magnitude
 F16 = torch.float16
@@ -34,6 +40,25 @@ def test_a_streamed_step_is_its_bytes_over_the_link():
     dense = memory.plan(model, F16, work, RuntimeConfig(policy="dense"))
     kv = sum(p.nbytes for p in dense.parts if p.name == "dense layers' KV")
     assert step_estimate_ms(dense, RATES) == pytest.approx((model.weight_bytes + kv) / 4000e9 * 1e3)
+
+
+def test_the_prefill_is_its_chunks_weight_streams_and_rereads_and_counts_in_the_throughput():
+    """A streamed prefill in chunks: every chunk streams the streamed layers, every later chunk reads about half
+    the pool back; tokens/s are over the whole run, so few new tokens favour larger chunks (fewer streams)
+    and many favour the larger batch whatever its chunks."""
+    model, budget = opt_30b(), 48 * 10**9 - memory.CONTEXT_BYTES
+    work = memory.Workload(8, 1920, 128, 256)
+    found = memory.plan(model, F16, work, RuntimeConfig(policy="full", streamed_layers=30), budget)
+    assert found.workload.chunk == 256  # 8 chunks
+    pool = sum(p.nbytes for p in found.parts if p.name == "CPU KV pool")
+    moved = 8 * 30 * model.layer_bytes + pool * 7 // 2
+    assert prefill_estimate_ms(found, RATES) == pytest.approx(moved / 50e9 * 1e3, rel=1e-6)
+    config = RuntimeConfig(policy="infinigen")
+    short, _ = best_batch(model, F16, replace(work, new_tokens=4), config, budget, RATES, host_bytes=HOST)
+    long, _ = best_batch(model, F16, replace(work, new_tokens=1024), config, budget, RATES, host_bytes=HOST)
+    assert short.plan.workload.chunk > long.plan.workload.chunk
+    run_s = (long.prefill_ms + 1024 * long.step_ms) / 1e3
+    assert long.tokens_per_s == pytest.approx(long.batch * 1024 / run_s)
 
 
 def test_streaming_more_layers_for_a_larger_batch_pays_where_weights_do_not_fit():

@@ -168,7 +168,8 @@ def bench(
         for b, n in pairs
         for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios, prefill_chunk=chunk)
     ]
-    streamed = _streamed(subject_config, dtype, device, budget, cases)
+    planned = {(e["batch"], e["context"]): e["streamed_layers"] for e in throughput}  # the auto batches' counts
+    streamed = _streamed(subject_config, dtype, device, budget, cases, planned)
     if streamed is not None:  # every case of ours runs with them: its plan counts them
         cases = [replace(c, runtime=c.runtime | {"streamed_layers": streamed.streamed_layers}) for c in cases]
     text = None if text is None else str(text)
@@ -222,6 +223,9 @@ def bench(
 
 
 AUTO = 0  # a --sizes batch the throughput plan chooses
+# the new tokens an auto batch is planned for (the paper's generation length), whatever the steps timed: the
+# plan weighs the prefill against them
+AUTO_NEW_TOKENS = 128
 
 
 def _sizes(text: str) -> list[tuple[list[int], list[int]]]:
@@ -261,16 +265,12 @@ def _auto_batches(pairs: list, grid: list[dict], subject_config, dtype: str, dev
     resolved, estimates = [], []
     for batches, (context,) in pairs:
         if AUTO in batches:
-            work = memory.Workload(1, context, 3 + gen_len, chunk)  # the bench's warm-up steps and timed ones
+            work = memory.Workload(1, context, AUTO_NEW_TOKENS, chunk)
             best, _ = best_batch(model, torch_dtype, work, config, budget, rates)
             if best is None:
                 raise InfinigenError(f"auto batch at context {context}: not even one row fits the GPU budget")
             batches = [best.batch if b == AUTO else b for b in batches]
-            estimates.append(
-                {"policy": ours["policy"], "context": context, "batch": best.batch}
-                | {"streamed_layers": best.streamed_layers, "step_ms_estimate": round(best.step_ms, 1)}
-                | {"tokens_per_s_estimate": round(best.tokens_per_s, 1), "rates": vars(rates)}
-            )
+            estimates.append({"policy": ours["policy"], "context": context} | best.estimates() | {"rates": vars(rates)})
         resolved.append((batches, [context]))
     return resolved, estimates
 
@@ -301,10 +301,11 @@ def _occupied(gpu_memory_gb: float | None, device: str):
     return Occupier(gpu_memory_gb, device)
 
 
-def _streamed(subject_config, dtype: str, device: str, budget, cases: list):
+def _streamed(subject_config, dtype: str, device: str, budget, cases: list, planned: dict):
     """The settings whose decoder layers stay in host memory for the whole sweep, or None: as asked
     (--streamed-layers), else the most any case of ours streams under the budget (none where every case
-    fits with the weights on the GPU). Refuses, before anything is built, weights that fit no way."""
+    fits with the weights on the GPU; an auto batch's: the throughput plan's, ``planned`` by (batch,
+    context)). Refuses, before anything is built, weights that fit no way."""
     from infinigen.models import parse_dtype
     from infinigen.runtime.config import RuntimeConfig
     from infinigen.runtime.memory import plan as memory
@@ -315,6 +316,9 @@ def _streamed(subject_config, dtype: str, device: str, budget, cases: list):
     subject = memory.model_of(subject_config, torch_dtype)
     counts = []
     for case in ours:
+        if (case.batch, case.prompt_len) in planned:
+            counts.append(planned[case.batch, case.prompt_len])
+            continue
         work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
         found = memory.plan(subject, torch_dtype, work, case.config, budget)
         counts.append((found.config.streamed_layers or 0) if found.fits else 0)

@@ -154,12 +154,7 @@ def _throughput(subject, dtype, work, config, budget, device, bandwidth) -> dict
     best = None if rates is None or budget is None else best_batch(subject, dtype, work, config, budget, rates)[0]
     if best is None:
         return None
-    return {
-        "batch": best.batch,
-        "streamed_layers": best.streamed_layers,
-        "step_ms_estimate": round(best.step_ms, 1),
-        "tokens_per_s_estimate": round(best.tokens_per_s, 1),
-    }
+    return best.estimates()
 
 
 def _bandwidth(device) -> float | None:
@@ -201,7 +196,8 @@ def _print(report: dict) -> None:
         "n/a (no GPU or nothing fits)"
         if best is None
         else f"batch {best['batch']} with {best['streamed_layers']} layers streamed: about "
-        f"{best['tokens_per_s_estimate']} tokens/s ({best['step_ms_estimate']} ms a step, estimated)"
+        f"{best['tokens_per_s_estimate']} tokens/s over the run ({best['prefill_s_estimate']} s prefill, "
+        f"{best['step_ms_estimate']} ms a step, estimated)"
     )
     print_pairs("memory plan", summary)
     if report["capacity"]:

@@ -18,16 +18,25 @@ from collections.abc import Callable, Sequence
 TOLERANCE = 0.05  # bytes over the run within which the most asked setting is kept
 
 
-def run_bytes(found) -> int:
-    """The bytes a planned run (``plan.MemoryPlan``) moves host->device that depend on its streamed layers
-    and prefill chunk: the streamed layers at every forward (each prefill chunk, each new token) and the
-    earlier chunks' rows each later chunk reads again (about half the pool per chunk). The rows a decode
-    step fetches are left out: the same for every chunk."""
+def prefill_bytes(found) -> int:
+    """The bytes a planned run's (``plan.MemoryPlan``) prefill moves host->device: the streamed layers at
+    each chunk's forward and the earlier chunks' rows each later chunk reads again (about half the pool
+    per chunk)."""
     work = found.workload
     forwards = math.ceil(work.context / work.chunk)
-    streamed = (found.config.streamed_layers or 0) * found.model.layer_bytes
     pool = sum(p.nbytes for p in found.parts if p.name == "CPU KV pool")
-    return streamed * (forwards + work.new_tokens) + pool * (forwards - 1) // 2
+    return _streamed(found) * forwards + pool * (forwards - 1) // 2
+
+
+def run_bytes(found) -> int:
+    """The bytes a planned run moves host->device that depend on its streamed layers and prefill chunk:
+    the prefill's and the streamed layers at each new token's step. The rows a decode step fetches are
+    left out: the same for every chunk."""
+    return prefill_bytes(found) + _streamed(found) * found.workload.new_tokens
+
+
+def _streamed(found) -> int:
+    return (found.config.streamed_layers or 0) * found.model.layer_bytes
 
 
 def least_moved(candidates: Sequence[tuple], planned: Callable, layers: int):

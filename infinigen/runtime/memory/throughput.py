@@ -5,10 +5,12 @@ streamed layers' bytes cross the bus once per step whatever the batch (FlexGen's
 batches pay. But each row's KV state and workspace take GPU memory that resident weights would otherwise
 hold, so past some batch more layers must stream, and each streamed layer adds its bytes to every step.
 ``best_batch`` walks the streamed-layer counts from the fewest that fit, takes at each the largest batch
-the memory plan admits (GPU and host), estimates its step (``step_estimate_ms``) and keeps the most tokens
-per second. The estimate is a model, stated: the larger of the bytes moved host->device at the measured
-link rate and the device's own work (every weight and GPU-resident KV read once at the measured memory
-rate, or the weights' multiply-adds at the measured matmul rate, whichever is longer).
+the memory plan admits (GPU and host), estimates its prefill and step and keeps the most new tokens a
+second over the run (FlexGen's measure: a batch whose prefill chunks shrink to fit streams every layer
+once more per chunk). The estimates are a model, stated: the larger of the bytes moved host->device at
+the measured link rate and the device's own work (a step: every weight and GPU-resident KV read once at
+the measured memory rate, or the weights' multiply-adds at the measured matmul rate, whichever is longer;
+the prefill: the multiply-adds of every prompt token).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.memory import plan as memory
+from infinigen.runtime.memory import streaming
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import offloaded_layer_indices, streamed_count
 from infinigen.runtime.selection.policies import policy_class
@@ -46,6 +49,7 @@ class DeviceRates:
 class Candidate:
     plan: memory.MemoryPlan  # the largest batch at its streamed-layer count
     step_ms: float  # estimated (``step_estimate_ms``)
+    prefill_ms: float = 0.0  # estimated (``prefill_estimate_ms``)
 
     @property
     def streamed_layers(self) -> int:
@@ -57,7 +61,20 @@ class Candidate:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.batch / self.step_ms * 1e3
+        """New tokens a second over the run, its prefill included (as FlexGen counts its throughput); a
+        decode step's alone where no new token is asked."""
+        new = self.plan.workload.new_tokens
+        if not new:
+            return self.batch / self.step_ms * 1e3
+        return self.batch * new / (self.prefill_ms + new * self.step_ms) * 1e3
+
+    def estimates(self) -> dict:
+        """What the plan proposes, for a report."""
+        step, prefill = round(self.step_ms, 1), round(self.prefill_ms / 1e3, 2)
+        return {"batch": self.batch, "streamed_layers": self.streamed_layers, "step_ms_estimate": step} | {
+            "prefill_s_estimate": prefill,
+            "tokens_per_s_estimate": round(self.tokens_per_s, 1),
+        }
 
 
 def _timed(run: Callable[[], object], device: torch.device, repeats: int, before: Callable[[], None]) -> float:
@@ -140,6 +157,16 @@ def step_estimate_ms(found: memory.MemoryPlan, rates: DeviceRates) -> float:
     return max(moved, device)
 
 
+def prefill_estimate_ms(found: memory.MemoryPlan, rates: DeviceRates) -> float:
+    """The prefill's estimated time: the longer of what crosses the bus (``streaming.prefill_bytes``: each
+    chunk streams every streamed layer, each later chunk reads the earlier ones' rows back) and the
+    weights' multiply-adds for every prompt token."""
+    model, work = found.model, found.workload
+    moved = streaming.prefill_bytes(found) / (rates.h2d_gb_s * 1e9)
+    flops = 2 * model.weight_bytes / found.dtype.itemsize * work.batch * work.context
+    return max(moved, flops / (rates.matmul_tflops * 1e12)) * 1e3
+
+
 def best_batch(
     model: memory.Model,
     dtype: torch.dtype,
@@ -177,5 +204,5 @@ def best_batch(
         if batch < 1:
             continue
         found = planned(batch, settings)
-        candidates.append(Candidate(found, step_estimate_ms(found, rates)))
+        candidates.append(Candidate(found, step_estimate_ms(found, rates), prefill_estimate_ms(found, rates)))
     return max(candidates, key=lambda c: c.tokens_per_s, default=None), candidates
