@@ -116,6 +116,13 @@ def test_torch_gather_dequantises_with_count_and_destination(dtype):
             untouched = torch.ones(5, dtype=torch.bool)
             untouched[at] = False
             assert bool(placed[b, h, :, untouched].isnan().all()), "only the moved rows are written"
+    # kept in 8 bits (row reuse): the codes and scales as stored, dequantised later to the same rows
+    codes, scales = torch.zeros(2, 2, 2, 5, 8, dtype=torch.int8), torch.zeros(2, 2, 2, 5)
+    transfer.gather_rows(pool, indices, count, codes, destination, scales)
+    dequantised = torch.full_like(placed, float("nan"))
+    int8_rows.dequantise(codes, scales, pool.factors, dequantised)
+    moved = ~placed.isnan()
+    assert torch.equal(dequantised[moved], placed[moved]) and not scales[~moved[..., 0]].any()
 
 
 KERNELS = r"""
@@ -149,6 +156,24 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert bool((close | (kernel.isnan() & reference.isnan())).all()), (dtype, where is None)
         assert not bool(kernel[:, :, :, : width].isnan().all(dim=-1).all(dim=-1).all()), "rows were written"
         assert bool(kernel[:, :, :, width].isnan().all()), "gather wrote past its slice"
+# kept in 8 bits (row reuse): codes and scales as stored, exactly the PyTorch path's; dequantised alike
+for where in (None, destination.to(torch.int32)):
+    width = 12 if where is None else 16
+    codes = torch.zeros(2, B, H, 2, width + 1, D, dtype=torch.int8)
+    scales = torch.full((2, B, H, 2, width + 1), -1.0)
+    transfer._launch_gather(pool, idx, count, codes[0, ..., :width, :], where, scales[0, ..., :width])
+    transfer.gather_rows(pool, idx, count, codes[1, ..., :width, :], where, scales[1, ..., :width])
+    assert torch.equal(codes[0], codes[1]) and torch.equal(scales[0], scales[1]), ("raw gather", where is None)
+    assert bool((scales[0, ..., width] == -1).all()), "raw gather wrote past its slice"
+    kept = (codes[0, ..., :width, :], scales[0, ..., :width], pool.factors)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((2, B, H, 2, width + 1, D), float("nan"), dtype=dtype)
+        int8_rows._launch_dequantise(*kept, out[0, ..., :width, :])
+        int8_rows.dequantise(*kept, out[1, ..., :width, :])  # the PyTorch path
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 0.0
+        kernel, reference = out[0, ..., :width, :], out[1, ..., :width, :]
+        assert bool(((kernel - reference).abs() <= ulp * reference.abs()).all()), dtype
+        assert bool(out[0, ..., width, :].isnan().all()), "dequantise wrote past its slice"
 print("ok")
 """
 
@@ -156,8 +181,9 @@ print("ok")
 @pytest.mark.skipif(transfer.triton is None, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the runtime tests run the compiled kernels")
 def test_triton_gather_dequantises_8_bit_rows_in_interpreter():
-    """The CUDA kernel (under Triton's interpreter) gives the PyTorch path's rows: per-head counts,
-    with and without a destination, into float32, float16 and bfloat16."""
+    """The CUDA kernels (under Triton's interpreter) give the PyTorch path's rows: per-head counts, with
+    and without a destination, into float32, float16 and bfloat16; kept in 8 bits, the same codes and
+    scales, and their dequantisation the same values."""
     run_in_interpreter(KERNELS)
 
 
@@ -183,6 +209,20 @@ def test_8_bit_rows_at_budget_one_stay_close_to_dense(tokenizer, arch, policy, r
     assert 1e-4 < error <= LOGIT_TOLERANCE, error  # quantised, and by no more than the tolerance
     assert torch.equal(quantised.argmax(-1), dense.argmax(-1))
     assert cache.summary()["kv_bits"] == 8
+
+
+def test_8_bit_rows_kept_on_the_gpu_attend_what_a_staging_buffer_attends(tokenizer, device):
+    """Row reuse with 8-bit rows keeps them as codes and scales, dequantised for each step's attention: the
+    logits of a run without rows of earlier steps are those of fetching into a staging buffer."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
+    runs = {}
+    for reuse_rows in (False, True):
+        cache = cache_for(model, artifact, budget=0.3, kv_bits=8, reuse_rows=reuse_rows, resident_extra=0)
+        runs[reuse_rows] = teacher_forced_logits(model, ids, 24, cache)
+        assert (cache.offloaded[0].resident is not None) == reuse_rows
+    assert cache.offloaded[0].resident.rows.dtype == torch.int8
+    assert torch.allclose(runs[True], runs[False], atol=1e-5, rtol=0)
 
 
 def test_8_bit_rows_change_the_bytes_reported(tokenizer):

@@ -399,17 +399,26 @@ def test_auto_keeps_fewer_rows_of_earlier_steps_before_none(tokenizer, monkeypat
     assert torch.equal(tokens, one_tokens) and not torch.equal(tokens, two_tokens)
 
 
-def test_the_estimate_bounds_what_the_resident_rows_take(tokenizer, monkeypatch):
+@pytest.mark.parametrize("kv_bits", [16, 8])
+def test_the_estimate_bounds_what_the_resident_rows_take(tokenizer, monkeypatch, kv_bits):
+    """The resident rows' estimate bounds their buffers; 8-bit rows stay codes and scales on the GPU, with
+    one buffer that takes a layer's rows dequantised for attention."""
     pretend_a_gpu(monkeypatch)
-    _, cache = decode(tokenizer, budget=0.3, reuse_rows="on")
+    _, cache = decode(tokenizer, budget=0.3, reuse_rows="on", kv_bits=kv_bits)
     layers = cache.offloaded
-    held = sum(t.nbytes for layer in layers for t in vars(layer.resident).values())
+    held = sum(t.nbytes for layer in layers for t in vars(layer.resident).values() if t is not None)
+    if kv_bits == 8:
+        assert layers[0].resident.rows.dtype == torch.int8 and layers[0].resident.scales.dtype == torch.float32
+        held += cache.buffers["dequantised", 0].nbytes
     batch, kv_heads = layers[0].valid.shape[:2]
-    need = reuse.resident_bytes(batch, kv_heads, layers[0].head_dim, 4, layers[0].capacity, cache.layer_budgets, 8)
+    sizes = (batch, kv_heads, layers[0].head_dim, 4, layers[0].capacity, cache.layer_budgets, 8)
+    need = reuse.resident_bytes(*sizes, cache.resident_extra, kv_bits=kv_bits)
     assert held <= need < 4 * held  # at this tiny size quest's page slack and the growth copy weigh most
     # Llama-3-8B at 8 x 16K, 10% on each of 30 offloaded layers: that share of the KV, plus position lookups
     share = 0.1 * 30 * 8 * 8 * 16384 * 2 * 128 * 2
-    assert share < reuse.resident_bytes(8, 8, 128, 2, 16384, [0.1] * 30, 8) < 1.15 * share
+    wide = reuse.resident_bytes(8, 8, 128, 2, 16384, [0.1] * 30, 8)
+    assert share < wide < 1.15 * share
+    assert reuse.resident_bytes(8, 8, 128, 2, 16384, [0.1] * 30, 8, kv_bits=8) < 0.6 * wide
 
 
 def test_auto_falls_back_when_the_pools_outgrow_the_cap(tokenizer, monkeypatch):

@@ -347,8 +347,8 @@ def breakdown(
     gathers, diagnostics.kept_gathers = diagnostics.kept_gathers, None
     _sync(device)
     start = time.perf_counter()
-    for pool, indices, count, out, destination in gathers:
-        pool.gather(indices, count, out, destination)
+    for pool, *arguments in gathers:
+        pool.gather(*arguments)
     _sync(device)
     transfer_only = (time.perf_counter() - start) * 1e3
     return case_settings(case) | {

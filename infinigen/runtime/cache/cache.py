@@ -27,6 +27,7 @@ from infinigen.runtime.cache.layers import DenseLayer, Fetched, OffloadedLayer
 from infinigen.runtime.cache.sliding import SlidingLayer
 from infinigen.runtime.cache.stats import bits_moved, summarize
 from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.kernels import int8_rows
 from infinigen.runtime.memory import plan, reuse
 from infinigen.runtime.memory.host_memory import HostBlocks
 from infinigen.runtime.memory.pool import row_bytes
@@ -75,23 +76,14 @@ class InfinigenCache(Cache):
         self.capturing = False  # a decode step is being captured: no host work that a replay would skip
         self.replayed_steps = 0  # decode steps run as graph replays (the last one's waits are timed)
         self.diagnostics = Diagnostics()
-        # row reuse (budgeted policies only): as asked, or auto at the first prefill and as the pools grow
-        self.reuse: reuse.Decision | None = None
-        self.reuse_auto = False  # an auto decision still to make, or to check again as the pools grow
+        # row reuse (budgeted policies only): as asked, or auto (``reuse_auto``: a decision still to make, or to
+        # check again as the pools grow); ``resident_extra``: ``RuntimeConfig.resident_extra`` as it applies
+        self.reuse, self.reuse_auto, self.resident_extra = reuse.initial(config, self.policy_type.budgeted)
         self.gpu_budget: int | None = None  # the budget auto reuse plans within, from the first prefill
         self.expected_tokens = 0  # what the run will cache per row, where its decode loop says (``expect``)
         # what the plan reads of the model: its config and its weights (every tensor-parallel rank's)
         self.planned = plan.loaded_model(model, self.shard.ranks)
         self.reuse_capacity = 0  # the pool capacity of the latest auto decision
-        self.resident_extra = 0.0  # ``RuntimeConfig.resident_extra`` as it applies: 0 without row reuse
-        if self.policy_type.budgeted:
-            if config.reuse_rows != "auto":
-                self.reuse = reuse.Decision(config.reuse_rows == "on", "asked")
-                self.resident_extra = config.resident_extra_or_default if self.reuse.on else 0.0
-            elif config.cpu_pool_gb is not None:  # an evicted slot would leave a stale resident row
-                self.reuse = reuse.Decision(False, "auto: limited CPU pool")
-            else:
-                self.reuse, self.reuse_auto = reuse.Decision(False, "auto: no decode step yet"), True
         streamed = weights_for_run(model, config, self.device, self.shard.ranks)
         self.streamed = weakref.finalize(self, streamed.close) if streamed is not None else None
         self.graphs = config.cuda_graphs and streamed_weights(model) is None  # a graph would keep one slot a layer
@@ -201,19 +193,12 @@ class InfinigenCache(Cache):
         if self.reuse_auto and layer.capacity > self.reuse_capacity:
             batch, kv_heads = layer.valid.shape[:2]
             sizes = (layer.head_dim, layer.dtype.itemsize, layer.capacity, self.layer_budgets, self.config.min_tokens)
-            asked = self.config.resident_extra_or_default
             planned = plan.resident_room(
                 self.planned, layer.dtype, batch, layer.capacity, self.config, self.gpu_budget, ranks=self.shard.ranks
             )
             room = reuse.room_from(planned, self.config.reuse_gpu_gb)
-            for extra in reuse.fallback_extras(asked):  # as many rows of earlier steps as fit, else none
-                decision = reuse.decide(reuse.resident_bytes(batch, kv_heads, *sizes, extra), room)
-                if decision.on:
-                    break
-            if decision.on and extra < asked:
-                kept = f"with resident_extra {extra:g}" if extra else "without rows of earlier steps"
-                decision = reuse.Decision(True, f"{decision.reason}, {kept}")
-            extra = extra if decision.on else 0.0
+            need = partial(reuse.resident_bytes, batch, kv_heads, *sizes, kv_bits=self.config.kv_bits)
+            decision, extra = reuse.decide_extra(need, room, self.config.resident_extra_or_default)
             if self.reuse.on and (not decision.on or extra < self.resident_extra):
                 for other in self.offloaded:
                     other.resident = None  # a step's rows in flight stay referenced by its ``Fetched``
@@ -338,14 +323,23 @@ class InfinigenCache(Cache):
         cached = None if self.capturing else layer.cached_tokens()
         selection_end = self._selection_end()
         # the move starts after everything the compute stream reads from this stream (its ready event)
-        ready = self._move(layer, placement.missing, placement.count, resident.rows, placement.destination)
+        ready = self._move(
+            layer, placement.missing, placement.count, resident.rows, placement.destination, resident.scales
+        )
         # the statistics once the move is queued: off the path from the selection to the rows. They read
         # the held positions alone: the compute stream sets the token's (the last) after ``selection_end``.
         selected = count if count is not None else k
         # attended: the selection, and with ``resident_extra`` the rows of earlier steps held with it
         attended = placement.held.double().mean(dim=1) if extra else selected
         self.count_fetch(layer, placement.count.double().mean(dim=1), selected, attended, step, cached)
-        return Fetched(resident.rows, placement.attend, slots, ready, selection_end)
+        if resident.scales is None:
+            return Fetched(resident.rows, placement.attend, slots, ready, selection_end)
+        # 8-bit rows stay codes: ``wait`` dequantises them into one buffer every layer's attention shares
+        positions = resident.rows.shape[3]
+        room = reuse.resident_positions(max(k, layer.rows_room()), extra) + 1
+        rows = self._buffer("dequantised", 0, (*resident.rows.shape[:3], positions, layer.head_dim), layer.dtype, room)
+        codes, scales = resident.rows[:, :, :, :-1], resident.scales[:, :, :, :-1]
+        return Fetched(rows, placement.attend, slots, ready, selection_end, codes, None, scales, layer.pool.factors)
 
     def count_fetch(
         self, layer: OffloadedLayer, moved, selected=None, attended=None, step: bool = True, cached=None
@@ -403,13 +397,16 @@ class InfinigenCache(Cache):
         """An event after a fetch's selection, where it ran (None on CPU): from it the token may be stored."""
         return torch.cuda.current_stream(self.device).record_event() if self.stream is not None else None
 
-    def _move(self, layer: OffloadedLayer, indices, count, out, destination=None) -> torch.cuda.Event | None:
-        """The selected rows' gather (unless a diagnostic skips it; kept for --breakdown's replay)."""
+    def _move(
+        self, layer: OffloadedLayer, indices, count, out, destination=None, scales=None
+    ) -> torch.cuda.Event | None:
+        """The selected rows' gather (unless a diagnostic skips it; kept for --breakdown's replay);
+        ``scales``: 8-bit rows' scales where the rows stay codes (``transfer.gather_rows``)."""
         if self.diagnostics.kept_gathers is not None:
-            self.diagnostics.kept_gathers.append((layer.pool, indices, count, out, destination))
+            self.diagnostics.kept_gathers.append((layer.pool, indices, count, out, destination, scales))
         if not self.diagnostics.move_rows:
             return None
-        move = partial(layer.pool.gather, indices, count, out, destination)
+        move = partial(layer.pool.gather, indices, count, out, destination, scales)
         return self._on_transfer_stream(layer, move, indices, count, destination)
 
     def _on_transfer_stream(self, layer: OffloadedLayer, move, *used: torch.Tensor | None) -> torch.cuda.Event | None:
@@ -459,7 +456,10 @@ class InfinigenCache(Cache):
             torch.cuda.current_stream(self.device).wait_event(fetched.ready)
             after.record()
             (self.step_wait_events if self.capturing else self.wait_events).append((before, after))
-        if fetched.packed is not None:
+        if fetched.scales is not None:
+            out = fetched.rows[:, :, :, : fetched.packed.shape[3]]
+            int8_rows.dequantise(fetched.packed, fetched.scales, fetched.factors, out)
+        elif fetched.packed is not None:
             fetched.codec.decode(fetched.packed, fetched.rows[:, :, :, : fetched.packed.shape[3]])
 
     def join_selections(self) -> None:

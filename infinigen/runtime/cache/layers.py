@@ -131,6 +131,9 @@ class Fetched:
     selection_end: torch.cuda.Event | None = None  # recorded where the selection ran, after it
     packed: torch.Tensor | None = None  # (B, kv_heads, 2, K, stored_dim) as moved, decoded by ``codec``
     codec: RowCodec | None = None
+    # 8-bit rows kept on the GPU (row reuse): ``packed`` their codes, dequantised with these (``int8_rows``)
+    scales: torch.Tensor | None = None  # (B, kv_heads, 2, K) float32
+    factors: torch.Tensor | None = None  # (kv_heads, 2, d) float32
 
 
 class OffloadedLayer(_Layer):
@@ -324,11 +327,14 @@ class OffloadedLayer(_Layer):
         """The rows kept on the GPU between steps (row reuse), with room for ``positions``."""
         if self.resident is None:
             batch, kv_heads = self.valid.shape[:2]
-            self.resident = ResidentRows(batch, kv_heads, self.head_dim, self.dtype, self.device)
+            int8 = self.pool.kv_bits == 8  # kept as moved: codes and scales
+            self.resident = ResidentRows(batch, kv_heads, self.head_dim, self.dtype, self.device, int8)
         held = self.resident.rows
         self.resident.grow(positions, self.capacity)
-        if self.resident.rows is not held:  # a new buffer, which the transfer stream writes
+        if self.resident.rows is not held:  # new buffers, which the transfer stream writes
             self.cache.on_both_streams(self.resident.rows)
+            if self.resident.scales is not None:
+                self.cache.on_both_streams(self.resident.scales)
         return self.resident
 
     def every_slot(self) -> Selection:

@@ -11,8 +11,9 @@ KV cache's bytes.
 
 Rows are quantised on the compute device before they are written (prefill and decode alike: plain
 tensor work, so a captured decode step stays capturable) and dequantised by the gather itself, into
-the step's float16 / bfloat16 / float32 buffer (``transfer``): the rest of the runtime, row reuse
-included, only ever sees dequantised rows.
+the step's float16 / bfloat16 / float32 buffer (``transfer``). Rows kept on the GPU between steps (row
+reuse) stay in 8 bits there, codes and scales as moved, and are dequantised for each step's attention
+(``dequantise``): half the GPU memory of 16-bit rows.
 
 Keys are smoothed per channel before they are rounded: a few fixed channels of a head's keys hold
 outliers (Qwen2.5's reach tens of times the rest), and one scale per row spent on them rounds every
@@ -29,6 +30,8 @@ scale = m / 127 in float32, f its channel's factor; an all-zero plane comes back
 from __future__ import annotations
 
 import torch
+
+from infinigen.runtime.kernels.triton_support import on_triton, tl, triton
 
 LEVELS = 127  # symmetric codes -127 .. 127
 BITS_MOVED = 8  # per value over the bus: the codes (the scales stay on the device)
@@ -59,3 +62,75 @@ def decode(
     (broadcast to ``codes``) where given (the CPU gather's path, and a prefill's read of earlier chunks)."""
     values = codes.float() * scales.to(codes.device, torch.float32)[..., None]
     return (values if factors is None else values * factors.to(codes.device)).to(dtype)
+
+
+def dequantise(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, out: torch.Tensor) -> None:
+    """out (B, H, 2, P, d) <- codes (B, H, 2, P, d) int8 times their scales (B, H, 2, P) and their channels'
+    factors (H, 2, d): rows kept on the GPU in 8 bits (``reuse.ResidentRows``), for a step's attention, as
+    ``decode`` gives them. On CUDA one kernel, in float32 registers; elsewhere a batch row at a time (a
+    float32 copy of them all would take twice their 16-bit size)."""
+    if on_triton(out.device):
+        _launch_dequantise(codes, scales, factors, out)
+        return
+    for b in range(codes.shape[0]):
+        out[b] = decode(codes[b], scales[b], out.dtype, factors[:, :, None])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dequantise_kernel(
+        codes,
+        scales,
+        factors,
+        out,
+        positions,
+        kv_heads,
+        code_head,
+        code_plane,
+        scale_head,
+        scale_plane,
+        out_head,
+        out_plane,
+        head_dim: tl.constexpr,
+        dim_pow2: tl.constexpr,
+        block: tl.constexpr,
+    ):
+        """One (batch row, head, plane)'s ``block`` positions: code * scale * factor in float32."""
+        bh, plane = tl.program_id(0) // 2, tl.program_id(0) % 2
+        bh = bh.to(tl.int64)  # a buffer past 2^31 elements
+        p = tl.program_id(1) * block + tl.arange(0, block)
+        col = tl.arange(0, dim_pow2)
+        live = p < positions
+        mask = live[:, None] & (col < head_dim)[None, :]
+        at = p[:, None] * head_dim + col[None, :]
+        code = tl.load(codes + bh * code_head + plane * code_plane + at, mask=mask, other=0)
+        scale = tl.load(scales + bh * scale_head + plane * scale_plane + p, mask=live, other=0)
+        factor = tl.load(factors + ((bh % kv_heads) * 2 + plane) * head_dim + col, mask=col < head_dim, other=1.0)
+        values = code.to(tl.float32) * scale[:, None] * factor[None, :]
+        tl.store(out + bh * out_head + plane * out_plane + at, values, mask=mask)
+
+
+def _launch_dequantise(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, out: torch.Tensor) -> None:
+    batch, heads, _, positions, head_dim = codes.shape
+    for t in (codes, out):  # positions of one plane one row apart, planes and heads strided alike
+        assert t.stride(4) == 1 and t.stride(3) == head_dim and t.stride(0) == heads * t.stride(1), t.stride()
+    assert scales.stride(3) == 1 and scales.stride(0) == heads * scales.stride(1), scales.stride()
+    block = 64
+    _dequantise_kernel[(batch * heads * 2, triton.cdiv(positions, block))](
+        codes,
+        scales,
+        factors.contiguous(),
+        out,
+        positions,
+        heads,
+        codes.stride(1),
+        codes.stride(2),
+        scales.stride(1),
+        scales.stride(2),
+        out.stride(1),
+        out.stride(2),
+        head_dim=head_dim,
+        dim_pow2=triton.next_power_of_2(head_dim),
+        block=block,
+    )

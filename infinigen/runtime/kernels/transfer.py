@@ -46,13 +46,16 @@ def gather_rows(
     count: torch.Tensor | None,
     out: torch.Tensor,
     destination: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
 ) -> None:
     """out (B, H, 2, K, d) on the compute device <- pool rows indices (B, H, K): each pool row
     (K and V of one token) is split into the K plane and the V plane of its head. ``count``: rows
     per batch row (B,) or per head (B, H); the rest are zeros. ``destination`` (B, H, K): row j goes
-    to position destination[j] of out (B, H, 2, P, d) instead, and nothing past the count is written."""
+    to position destination[j] of out (B, H, 2, P, d) instead, and nothing past the count is written.
+    ``out_scales`` (B, H, 2, K or P) float32, with 8-bit rows: the codes land in ``out`` (int8) as stored
+    and their scales there, for rows kept on the GPU in 8 bits (``reuse.ResidentRows``)."""
     if on_triton(out.device):
-        _launch_gather(pool, indices, count, out, destination)
+        _launch_gather(pool, indices, count, out, destination, out_scales)
         return
     batch, heads, k = indices.shape
     cpu_indices = indices.cpu()
@@ -63,18 +66,27 @@ def gather_rows(
     for index, block in enumerate(pool.blocks):
         chosen = blocks == index
         rows[chosen] = block[b[chosen], h[chosen], slots[chosen]]
+    scales = None
     if pool.kv_bits == 8:
-        scales = pool.scales.cpu()[b, h, cpu_indices.clamp(0, pool.capacity - 1)]
-        rows = int8_rows.decode(rows, scales, out.dtype, pool.factors.cpu()[:, None])
+        scales = pool.scales.cpu()[b, h, cpu_indices.clamp(0, pool.capacity - 1)]  # (B, H, K, 2)
+        if out_scales is None:
+            rows = int8_rows.decode(rows, scales, out.dtype, pool.factors.cpu()[:, None])
     past_count = torch.zeros(batch, heads, k, dtype=torch.bool)
     if count is not None:  # rows past the count are zeros, as on CUDA (their slots may be unwritten)
         past_count = torch.arange(k) >= count.cpu().view(batch, -1, 1).expand(batch, heads, 1)
         rows[past_count] = 0
+        if scales is not None:
+            scales[past_count] = 0
     if destination is None:
         out.copy_(rows.transpose(2, 3))
+        if out_scales is not None:
+            out_scales.copy_(scales.transpose(2, 3))
         return
     b, h, j = (~past_count).nonzero(as_tuple=True)
-    out[b, h, :, destination.cpu()[b, h, j].long()] = rows[b, h, j].to(out.device)
+    at = destination.cpu()[b, h, j].long()
+    out[b, h, :, at] = rows[b, h, j].to(out.device)
+    if out_scales is not None:
+        out_scales[b, h, :, at] = scales[b, h, j].to(out_scales.device)
 
 
 def scatter_rows(pool: BlockedRows, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -110,6 +122,7 @@ if triton is not None:
         count,
         out,
         destination,
+        out_scales,
         k,
         kv_heads,
         count_batch_stride,
@@ -117,6 +130,8 @@ if triton is not None:
         head_stride,
         plane_stride,
         scale_head_stride,
+        out_scale_head_stride,
+        out_scale_plane_stride,
         chunks_per_head,
         n_chunks,
         has_count: tl.constexpr,
@@ -124,6 +139,7 @@ if triton is not None:
         block_tokens: tl.constexpr,
         head_dim: tl.constexpr,
         int8: tl.constexpr,
+        raw: tl.constexpr,
         row_pow2: tl.constexpr,
         rows_per_chunk: tl.constexpr,
     ):
@@ -131,7 +147,8 @@ if triton is not None:
         the gather keeps enough PCIe reads in flight while leaving SMs to the compute stream.
         With ``int8``, a pool row is 2 * head_dim int8 codes; what lands in ``out`` is each code times
         its plane's float32 scale, read from ``scales`` (B * H, capacity, 2) in device memory, and its
-        column's factor, from ``factors`` (H, 2 * head_dim)."""
+        column's factor, from ``factors`` (H, 2 * head_dim); with ``raw`` the codes as stored instead, and
+        their scales into ``out_scales`` (B * H, 2, positions)."""
         row = 2 * head_dim
         col = tl.arange(0, row_pow2)
         in_row = (col < row)[None, :]
@@ -152,15 +169,20 @@ if triton is not None:
                 at = scales + _offset(bh, scale_head_stride, token, 2)  # this slot's K scale; V's next
                 k_scale = tl.load(at, mask=live, other=0)
                 v_scale = tl.load(at + 1, mask=live, other=0)
-                scale = tl.where((col < head_dim)[None, :], k_scale[:, None], v_scale[:, None])
-                factor = tl.load(factors + (bh % kv_heads) * row + col, mask=col < row, other=1.0)
-                values = values.to(tl.float32) * scale * factor[None, :]
+                if not raw:
+                    scale = tl.where((col < head_dim)[None, :], k_scale[:, None], v_scale[:, None])
+                    factor = tl.load(factors + (bh % kv_heads) * row + col, mask=col < row, other=1.0)
+                    values = values.to(tl.float32) * scale * factor[None, :]
             if has_destination:  # rows kept between steps (row reuse) stay: only moved rows are written
                 position = tl.load(destination + _offset(bh, k, j, 1), mask=live, other=0)
                 written = live
             else:  # rows past the count are zeros: never-initialised memory must not reach attention
                 position = j
                 written = j < k
+            if raw:
+                at = out_scales + _offset(bh, out_scale_head_stride, position, 1)
+                tl.store(at, k_scale, mask=written)
+                tl.store(at + out_scale_plane_stride, v_scale, mask=written)
             dst = out + _offset(bh, head_stride, position[:, None], head_dim) + dst_col[None, :]
             tl.store(dst, values, mask=written[:, None] & in_row)
 
@@ -183,7 +205,12 @@ def default_gather_programs(device: torch.device) -> int:
 
 
 def _launch_gather(
-    pool: BlockedRows, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor, destination=None
+    pool: BlockedRows,
+    indices: torch.Tensor,
+    count: torch.Tensor | None,
+    out: torch.Tensor,
+    destination=None,
+    out_scales: torch.Tensor | None = None,
 ) -> None:
     batch, heads, k = indices.shape
     head_dim = out.shape[-1]
@@ -202,6 +229,7 @@ def _launch_gather(
         count if count is not None else indices,
         out,
         destination.contiguous() if destination is not None else indices,
+        out_scales if out_scales is not None else out,
         k,
         heads,
         count.stride(0) if count is not None else 0,
@@ -209,6 +237,8 @@ def _launch_gather(
         out.stride(1),
         out.stride(2),
         scales.stride(1) if pool.kv_bits == 8 else 0,
+        out_scales.stride(1) if out_scales is not None else 0,
+        out_scales.stride(2) if out_scales is not None else 0,
         chunks_per_head,
         n_chunks,
         has_count=count is not None,
@@ -216,6 +246,7 @@ def _launch_gather(
         block_tokens=pool.block_tokens,
         head_dim=head_dim,
         int8=pool.kv_bits == 8,
+        raw=out_scales is not None,
         row_pow2=triton.next_power_of_2(row),
         rows_per_chunk=pool.gather_rows,
     )

@@ -206,8 +206,8 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
             parts.append(Part("speculators' projections", "gpu", len(offloaded) * (query + kv * d * channels) * e))
         budgets = opts.get("layer_budgets") or [config.budget] * len(offloaded)
         if reuse_on:
-            extra = config.resident_extra_or_default
-            resident = reuse.resident_bytes(batch, kv, d, e, capacity, budgets, config.min_tokens, extra)
+            extra, bits = config.resident_extra_or_default, config.kv_bits
+            resident = reuse.resident_bytes(batch, kv, d, e, capacity, budgets, config.min_tokens, extra, bits)
             parts.append(Part("decode: resident rows", "gpu", resident, "decode"))
         else:  # two staging buffers (layers alternate), each the largest fetch
             k = max(rows_bound(b, capacity, config.min_tokens) for b in budgets) if policy.budgeted else capacity

@@ -177,11 +177,13 @@ class KVPool:
             self.scales.scatter_(2, slots[:, :, None, None].expand(-1, -1, 1, 2), scales)
         transfer.scatter_rows(self, slots, rows)
 
-    def gather(self, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor, destination=None) -> None:
+    def gather(
+        self, indices: torch.Tensor, count: torch.Tensor | None, out: torch.Tensor, destination=None, out_scales=None
+    ) -> None:
         """out[b, h, j] = row indices[b, h, j], for j < count[b] or count[b, h] (all j when count is None);
         with ``destination`` (B, H, K), at out[b, h, destination[b, h, j]] instead. 8-bit rows arrive
-        dequantised to ``out``'s dtype."""
-        transfer.gather_rows(self, indices, count, out, destination)
+        dequantised to ``out``'s dtype, or as stored with ``out_scales`` (``transfer.gather_rows``)."""
+        transfer.gather_rows(self, indices, count, out, destination, out_scales)
 
 
 def _copy_runs(target: torch.Tensor, source: torch.Tensor) -> None:

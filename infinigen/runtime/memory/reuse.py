@@ -18,7 +18,7 @@ them at that capacity (``plan.resident_room``, ``room_from``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,18 +62,21 @@ def resident_bytes(
     budgets: Sequence[float],
     min_tokens: int,
     extra: float = 0.0,
+    kv_bits: int = 16,
 ) -> int:
     """GPU bytes of every offloaded layer's ``ResidentRows`` at a pool ``capacity`` (slots per
     (batch row, KV head)): each holds a layer's selection, at most its budget's share of the capacity
     (``budgets``: each layer's), and ``extra`` of it again, as K and V rows plus the token's own, with
     a slot and an age per position and a position per slot. One layer's buffers more for the copy
-    while one grows."""
-    per_layer = []
+    while one grows. 8-bit rows (``kv_bits`` 8) stay codes, with a float32 scale per row and plane, and
+    one buffer of the largest layer's rows in ``itemsize`` bytes takes them dequantised for attention."""
+    per_layer, widest = [], 0
     for budget in budgets:
         positions = resident_positions(rows_bound(budget, capacity, min_tokens) + PAGE_SLACK, extra)
-        row = 2 * (positions + 1) * head_dim * itemsize + 12 * positions + 4 * (capacity + 1)
-        per_layer.append(batch * kv_heads * row)
-    return sum(per_layer) + max(per_layer, default=0)
+        held = 2 * (positions + 1) * (head_dim + 4 if kv_bits == 8 else head_dim * itemsize)
+        per_layer.append(batch * kv_heads * (held + 12 * positions + 4 * (capacity + 1)))
+        widest = max(widest, batch * kv_heads * 2 * (positions + 1) * head_dim * itemsize)
+    return sum(per_layer) + max(per_layer, default=0) + (widest if kv_bits == 8 else 0)
 
 
 def room_from(planned: int, cap_gb: float | None) -> tuple[int, str]:
@@ -97,6 +100,33 @@ def decide(need: int, room: tuple[int, str] | None, extra: float = 0.0) -> Decis
     return Decision(fits, f"auto: {need / 1e9:.2f} GB {'fits in' if fits else 'exceeds'} {described}")
 
 
+def initial(config, budgeted: bool) -> tuple[Decision | None, bool, float]:
+    """A cache's row reuse before its first decode step (None: a policy without a budget): as asked, off for
+    a limited CPU pool (an evicted slot would leave a stale resident row), else auto, decided at the first
+    decode fetch; with whether it is auto and the rows of earlier steps it keeps (0 without reuse)."""
+    if not budgeted:
+        return None, False, 0.0
+    if config.reuse_rows != "auto":
+        on = config.reuse_rows == "on"
+        return Decision(on, "asked"), False, config.resident_extra_or_default if on else 0.0
+    if config.cpu_pool_gb is not None:
+        return Decision(False, "auto: limited CPU pool"), False, 0.0
+    return Decision(False, "auto: no decode step yet"), True, 0.0
+
+
+def decide_extra(need: Callable[[float], int], room: tuple[int, str] | None, asked: float) -> tuple[Decision, float]:
+    """Auto reuse at one capacity, with as many rows of earlier steps as fit (``fallback_extras``; ``need``:
+    the resident bytes with that many), else without them, else off: the decision and the extra it keeps."""
+    for extra in fallback_extras(asked):
+        decision = decide(need(extra), room)
+        if decision.on:
+            break
+    if decision.on and extra < asked:
+        kept = f"with resident_extra {extra:g}" if extra else "without rows of earlier steps"
+        decision = Decision(True, f"{decision.reason}, {kept}")
+    return decision, extra if decision.on else 0.0
+
+
 @dataclass(frozen=True)
 class Placement:
     missing: torch.Tensor  # (B, H, K) int64: the slots to move, the first ``count`` of each head
@@ -113,8 +143,12 @@ class ResidentRows:
     column takes the writes of no slot), so a placement looks a slot up instead of searching;
     ``age`` (B, H, P) int32, steps since each position's row was last selected (``keep_recent``)."""
 
-    def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.rows = torch.zeros(batch, heads, 2, 1, head_dim, dtype=dtype, device=device)
+    def __init__(
+        self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, int8: bool = False
+    ) -> None:
+        # 8-bit rows stay as moved: codes here, their float32 scales (B, H, 2, P + 1) in ``scales``
+        self.rows = torch.zeros(batch, heads, 2, 1, head_dim, dtype=torch.int8 if int8 else dtype, device=device)
+        self.scales = torch.zeros(batch, heads, 2, 1, device=device) if int8 else None
         self.slots = torch.full((batch, heads, 0), -1, dtype=torch.int64, device=device)
         self.position_of = torch.full((batch, heads, 1), -1, dtype=torch.int32, device=device)
         self.age = torch.zeros(batch, heads, 0, dtype=torch.int32, device=device)
@@ -122,6 +156,8 @@ class ResidentRows:
     def grow(self, positions: int, capacity: int) -> None:
         """Room for at least ``positions`` rows and ``capacity`` slots (what is held stays)."""
         self.rows = grown_to(self.rows, positions + 1, 3)  # the old token position: a free one (slot -1)
+        if self.scales is not None:
+            self.scales = grown_to(self.scales, positions + 1, 3)
         self.slots = grown_to(self.slots, positions, 2, fill=-1)
         self.age = grown_to(self.age, positions, 2)
         self.position_of = grown_to(self.position_of, capacity + 1, 2, fill=-1)
