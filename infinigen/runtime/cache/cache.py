@@ -335,11 +335,11 @@ class InfinigenCache(Cache):
         if resident.scales is None:
             return Fetched(resident.rows, placement.attend, slots, ready, selection_end)
         # 8-bit rows stay codes: ``wait`` dequantises them into one buffer every layer's attention shares
-        positions = resident.rows.shape[3]
         room = reuse.resident_positions(max(k, layer.rows_room()), extra) + 1
-        rows = self._buffer("dequantised", 0, (*resident.rows.shape[:3], positions, layer.head_dim), layer.dtype, room)
-        codes, scales = resident.rows[:, :, :, :-1], resident.scales[:, :, :, :-1]
-        return Fetched(rows, placement.attend, slots, ready, selection_end, codes, None, scales, layer.pool.factors)
+        rows = self._buffer("dequantised", 0, resident.rows.shape, layer.dtype, room)
+        codes, scales, factors = resident.rows[:, :, :, :-1], resident.scales[:, :, :, :-1], layer.pool.factors
+        attend = placement.attend
+        return Fetched(rows, attend, slots, ready, selection_end, packed=codes, scales=scales, factors=factors)
 
     def count_fetch(
         self, layer: OffloadedLayer, moved, selected=None, attended=None, step: bool = True, cached=None

@@ -138,7 +138,8 @@ class Placement:
 
 class ResidentRows:
     """One offloaded layer's rows on the GPU: ``rows`` (B, H, 2, P + 1, d), the last position for
-    the step's own token; ``slots`` (B, H, P) int64, the slot each position holds (-1: none);
+    the step's own token (8-bit rows: their codes, and ``scales`` (B, H, 2, P + 1)); ``slots`` (B, H, P)
+    int64, the slot each position holds (-1: none);
     ``position_of`` (B, H, capacity + 1) int32, each slot's position (-1: not resident; the last
     column takes the writes of no slot), so a placement looks a slot up instead of searching;
     ``age`` (B, H, P) int32, steps since each position's row was last selected (``keep_recent``)."""
