@@ -185,6 +185,33 @@ def test_generate_streams_the_layers_asked_and_says_so(prepared):
     assert refused.exit_code == 2 and "streamed_layers must be 0 or more" in refused.output
 
 
+def test_eval_loads_with_the_layers_its_runs_stream_in_host_memory(prepared, tmp_path, monkeypatch):
+    """``eval ppl`` / ``eval needle`` where layers stream (asked here; planned for the eval's windows or longest
+    prompt where the weights exceed the budget): the model loads with them in host memory, never whole on the
+    device, every run plans with them, and the perplexities and answers are a resident run's."""
+    import infinigen.runtime.weights as weights_module
+
+    folder, out = prepared("llama")
+    text = tmp_path / "text.txt"
+    text.write_text("the house was old and the street was narrow and the walls were thin " * 40)
+    placed = []
+    place = weights_module.place_weights
+    monkeypatch.setattr(weights_module, "place_weights", lambda *a: placed.append(a[2].streamed_layers) or place(*a))
+    common = (str(folder), "--artifact", str(out), "--text", str(text), "--device", "cpu", "--json", "--budgets", "0.5")
+    runs = {
+        "ppl": ("eval", "ppl", *common, "--window", "64", "--prefix", "32", "--windows", "2", "--batch", "2"),
+        "needle": ("eval", "needle", *common, "--lengths", "96", "--depths", "0.5", "--trials", "1"),
+    }
+    for name, args in runs.items():
+        resident, streamed = invoke(*args), invoke(*args, "--streamed-layers", "2")
+        assert resident.exit_code == 0 and streamed.exit_code == 0, (name, streamed.output)
+        rows = [json.loads(result.stdout)["results"] for result in (resident, streamed)]
+        key = "perplexity" if name == "ppl" else "accuracy"
+        assert [r[key] for r in rows[1]] == [r[key] for r in rows[0]], name
+        assert [[r["streamed_layers"] for r in run] for run in rows] == [[None, None], [2, 2]], name
+    assert placed == [2, 2]  # at load, once an eval; the resident runs placed nothing
+
+
 def test_a_batch_job_loads_with_its_streamed_layers_in_host_memory(prepared, tmp_path, monkeypatch):
     """``generate --input`` where layers stream (asked here; planned where the weights exceed the budget):
     the model loads with them in host memory, every batch plans with them, the rows are a resident run's."""

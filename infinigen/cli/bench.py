@@ -307,31 +307,16 @@ def _streamed(subject_config, dtype: str, device: str, budget, cases: list, plan
     fits with the weights on the GPU; an auto batch's: the throughput plan's, ``planned`` by (batch,
     context)). Refuses, before anything is built, weights that fit no way."""
     from infinigen.models import parse_dtype
-    from infinigen.runtime.config import RuntimeConfig
     from infinigen.runtime.memory import plan as memory
-    from infinigen.runtime.memory.sizing import weights_ahead
+    from infinigen.runtime.memory import streaming
 
-    ours = [case for case in cases if case.ours]
     torch_dtype = parse_dtype(dtype, device)
-    subject = memory.model_of(subject_config, torch_dtype)
-    counts = []
-    for case in ours:
-        if (case.batch, case.prompt_len) in planned:
-            counts.append(planned[case.batch, case.prompt_len])
-            continue
+    runs = []
+    for case in (case for case in cases if case.ours):
         work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
-        found = memory.plan(subject, torch_dtype, work, case.config, budget)
-        counts.append((found.config.streamed_layers or 0) if found.fits else 0)
-    count = max(counts, default=0)
-    if budget is not None and not count and subject.weight_bytes > budget:
-        raise InfinigenError(
-            f"the weights alone ({memory.gb(subject.weight_bytes)} GB) exceed the GPU budget ({memory.gb(budget)} "
-            "GB), and no case fits with any of their layers streamed from host memory"
-        )
-    if not count:
-        return None
-    policy = max((case.policy for case in ours), key=weights_ahead)  # the most slots any case needs
-    return RuntimeConfig(policy=policy, streamed_layers=count)
+        fixed = planned.get((case.batch, case.prompt_len))
+        runs.append((work, case.config if fixed is None else replace(case.config, streamed_layers=fixed)))
+    return streaming.streamed_for(memory.model_of(subject_config, torch_dtype), torch_dtype, runs, budget)
 
 
 def _run(

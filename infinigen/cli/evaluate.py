@@ -29,13 +29,26 @@ on_eval = functools.partial(command, on=eval_app)
 COMPARED = {"policy": "dense,infinigen", "budget": "0.2,0.1"}  # what every eval compares by default
 
 
-def _load(model: str | None, artifact: str | None, device: str | None, dtype: str | None):
-    """The loaded model and its checked artifact (None without --artifact)."""
+def _load(model: str | None, artifact: str | None, device: str | None, dtype: str | None, runs: list | None = None):
+    """The loaded model, its checked artifact (None without --artifact) and what every run's settings add:
+    where the weights exceed the GPU budget, the decoder layers kept in host memory for all of ``runs``
+    (each a ``Workload`` and its settings: ``streaming.streamed_for``), the rest on the GPU, never all of it."""
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
+    from infinigen.runtime.config import config_from
+    from infinigen.runtime.memory import plan as memory
+    from infinigen.runtime.memory import streaming
+    from infinigen.runtime.weights import streamed_weights
 
-    loaded = load_model(model, device=device, dtype=dtype)
-    return loaded, open_artifact(artifact, loaded.model) if artifact is not None else None
+    def streamed(config, tokenizer, torch_dtype, torch_device):
+        pairs = [(work, config_from(settings)) for work, settings in runs]
+        budget = memory.budget_bytes(pairs[0][1].gpu_memory_gb, torch_device)
+        return streaming.streamed_for(memory.model_of(config, torch_dtype), torch_dtype, pairs, budget)
+
+    loaded = load_model(model, device=device, dtype=dtype, before_weights=streamed if runs else None)
+    weights = streamed_weights(loaded.model)
+    added = {} if weights is None else {"streamed_layers": len(weights.order)}
+    return loaded, open_artifact(artifact, loaded.model) if artifact is not None else None, added
 
 
 @on_eval
@@ -67,10 +80,11 @@ def ppl(
     Example:\n
       infinigen eval ppl --artifact skewed/ --text ../shared/data/wikitext-2/wiki.test.raw --windows 4
     """
-    from infinigen.eval.decoding import read_text
+    from infinigen.eval.decoding import PREFILL_CHUNK, read_text
     from infinigen.eval.decoding import windows as split_windows
     from infinigen.eval.journal import Journal
     from infinigen.eval.perplexity import perplexity
+    from infinigen.runtime.memory.plan import Workload
     from infinigen.runtime.selection.policies import settings_grid
 
     prefix = window // 2 if prefix is None else prefix
@@ -85,7 +99,8 @@ def ppl(
     journal = Journal(
         output, run | dict(windows=windows, batch=batch, dtype=dtype, recall=recall, pool=cpu_pool_fraction)
     )
-    loaded, checked = _load(model, artifact, device, dtype)
+    chunked = [(Workload(min(batch, windows), prefix, window - 1 - prefix, PREFILL_CHUNK), s) for s in rows_settings]
+    loaded, checked, added = _load(model, artifact, device, dtype, chunked)
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     steps = math.ceil(ids.shape[0] / batch) * (window - prefix)
     rows = []
@@ -103,7 +118,7 @@ def ppl(
                     pool_fraction=cpu_pool_fraction,
                     recall=recall,
                     on_step=functools.partial(bar.advance, task),
-                    **settings,
+                    **settings | added,
                 )
                 journal.add(settings, row)
             bar.update(task, completed=steps)
@@ -185,7 +200,7 @@ def tasks(
     tasks_run = [str(path) for path in data] if data else task_names
     run = dict(eval="tasks", model=model, artifact=artifact, dtype=dtype, tasks=tasks_run, shots=shots, limit=limit)
     journal = Journal(output, run | dict(seed=seed, batch=batch))
-    loaded, checked = _load(model, artifact, device, dtype)
+    loaded, checked, _ = _load(model, artifact, device, dtype)  # short prompts: the weights as the card holds them
     rows = []
     per_setting = sum(min(limit, len(e)) for e in examples.values())
     with progress(disable=as_json) as bar:
@@ -310,9 +325,10 @@ def needle(
       infinigen eval needle --artifact skewed/ --text ../shared/data/pg19/10146.txt --lengths 2048 --depths 0,0.5,1\n
       infinigen eval needle --artifact skewed/ --text book1.txt --text book2.txt --lengths 8000 --trials 20
     """
-    from infinigen.eval.decoding import read_text
+    from infinigen.eval.decoding import PREFILL_CHUNK, read_text
     from infinigen.eval.journal import Journal
     from infinigen.eval.needle import ANSWER_TOKENS, needle_accuracy, needle_prompts
+    from infinigen.runtime.memory.plan import Workload
     from infinigen.runtime.selection.policies import settings_grid
 
     token_lengths, depth_fractions = parse_list(lengths, "--lengths", int), parse_list(depths, "--depths")
@@ -321,7 +337,8 @@ def needle(
     all_settings = settings_grid(runtime)
     run = dict(eval="needle", model=model, artifact=artifact, dtype=dtype, texts=[str(path) for path in text])
     journal = Journal(output, run | dict(lengths=token_lengths, depths=depth_fractions, trials=trials))
-    loaded, checked = _load(model, artifact, device, dtype)
+    longest = [(Workload(1, max(token_lengths), ANSWER_TOKENS, PREFILL_CHUNK), s) for s in all_settings]
+    loaded, checked, added = _load(model, artifact, device, dtype, longest)
     context = loaded.model.config.max_position_embeddings
     if max(token_lengths) + ANSWER_TOKENS > context:
         raise InfinigenError(f"--lengths {max(token_lengths)} + the answer exceeds the model's context of {context}")
@@ -342,9 +359,10 @@ def needle(
                 if as_json:
                     stream_row({**settings, **answered})
 
-            rows.append(
-                needle_accuracy(loaded.model, loaded.tokenizer, checked, prompts, on_answer=on_answer, **settings)
+            answered = needle_accuracy(
+                loaded.model, loaded.tokenizer, checked, prompts, on_answer=on_answer, **settings | added
             )
+            rows.append(answered)
             journal.add(settings, rows[-1])
     report = {"model": loaded.source.model_id, "texts": [str(path) for path in text], "trials": trials, "results": rows}
     if printed_json(report, as_json):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from infinigen.errors import InfinigenError
+
 TOLERANCE = 0.05  # bytes over the run within which the most asked setting is kept
 
 
@@ -37,6 +39,29 @@ def run_bytes(found) -> int:
 
 def _streamed(found) -> int:
     return (found.config.streamed_layers or 0) * found.model.layer_bytes
+
+
+def streamed_for(model, dtype, runs: Sequence[tuple], budget: int | None):
+    """The settings (a ``RuntimeConfig``, or None: none stream) with which one loaded model keeps decoder
+    layers in host memory for every run of a sweep (``runs``: each a ``plan.Workload`` and its
+    ``RuntimeConfig``, whose ``streamed_layers`` may be fixed already): the most any of them streams under
+    ``budget``, for the policy that keeps the most layers ahead. Refuses, before anything loads, weights
+    that exceed the budget where no run fits with any of their layers streamed."""
+    from infinigen.runtime.config import RuntimeConfig
+    from infinigen.runtime.memory import plan  # which imports this module for its last resort
+    from infinigen.runtime.memory.sizing import weights_ahead
+
+    planned = (plan.plan(model, dtype, work, config, budget) for work, config in runs)
+    count = max(((found.config.streamed_layers or 0) if found.fits else 0 for found in planned), default=0)
+    if budget is not None and not count and model.weight_bytes > budget:
+        raise InfinigenError(
+            f"the weights alone ({plan.gb(model.weight_bytes)} GB) exceed the GPU budget ({plan.gb(budget)} GB), "
+            "and no run fits with any of their layers streamed from host memory"
+        )
+    if not count:
+        return None
+    policy = max((config.policy for _, config in runs), key=weights_ahead, default="full")
+    return RuntimeConfig(policy=policy, streamed_layers=count)
 
 
 def least_moved(candidates: Sequence[tuple], planned: Callable, layers: int):
