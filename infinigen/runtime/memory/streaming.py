@@ -1,4 +1,6 @@
-"""The memory plan's last resort: which settings a run takes when its weights must stream.
+"""Streamed weights in the memory plan: which settings a run takes when its weights must stream (the plan's
+last resort, ``least_moved``), and how many layers one loaded model streams for a sweep of runs
+(``streamed_for``: what ``bench`` and ``eval`` load the model with).
 
 A streamed layer's weights cross the bus at every forward: each prefill chunk and each decode step. So a
 prefill chunk shed to fit the budget is paid for with the streamed layers once more per extra chunk (and
