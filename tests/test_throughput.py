@@ -112,6 +112,19 @@ def test_bench_auto_batch_needs_a_gpu_and_a_budget():
     assert bad.exit_code == 2 and "BATCHxCONTEXT" in bad.output
 
 
+def test_an_auto_batch_is_checked_over_the_run_it_was_planned_for():
+    """The plan's tokens/s beside the measured ones: the row's prefill and 128 steps at its measured step;
+    a row that did not run leaves the plan as it was."""
+    from infinigen.cli.bench import AUTO_NEW_TOKENS, _measured_run
+
+    plan = {"policy": "infinigen", "context": 1920, "batch": 30, "tokens_per_s_estimate": 35.0}
+    row = {"policy": "infinigen", "batch": 30, "prompt_len": 1920, "prefill_s": 10.0, "ms_per_step": 500.0}
+    other = row | {"policy": "hf-accelerate", "prefill_s": 1.0}
+    checked = _measured_run(plan, [other, row])
+    assert checked["measured_tokens_per_s"] == round(30 * AUTO_NEW_TOKENS / (10.0 + AUTO_NEW_TOKENS * 0.5), 1)
+    assert _measured_run(plan, [row | {"ms_per_step": None, "error": "out of memory"}]) == plan
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_rates_are_measured_on_the_device():

@@ -213,6 +213,8 @@ def bench(
     if bandwidth is not None:
         results = [_with_bound(row, bandwidth) for row in results]
     report |= {"results": results, "breakdown": split_rows}
+    if throughput:
+        report["throughput_plan"] = [_measured_run(plan, results) for plan in throughput]
     if profiles:
         report["profiles"] = _profiled(subject, artifacts, cases, profiles, as_json)
     if plot is not None:
@@ -273,6 +275,23 @@ def _auto_batches(pairs: list, grid: list[dict], subject_config, dtype: str, dev
             estimates.append({"policy": ours["policy"], "context": context} | best.estimates() | {"rates": vars(rates)})
         resolved.append((batches, [context]))
     return resolved, estimates
+
+
+def _measured_run(plan: dict, results: list[dict]) -> dict:
+    """An auto batch's plan beside what its row measured, over the run it was planned for (its prefill and
+    ``AUTO_NEW_TOKENS`` steps at the measured step): the estimate's check."""
+    row = next(
+        (
+            r
+            for r in results
+            if (r["policy"], r["batch"], r["prompt_len"]) == (plan["policy"], plan["batch"], plan["context"])
+        ),
+        None,
+    )
+    if row is None or row.get("ms_per_step") is None:
+        return plan
+    run_s = row["prefill_s"] + AUTO_NEW_TOKENS * row["ms_per_step"] / 1e3
+    return plan | {"measured_tokens_per_s": round(plan["batch"] * AUTO_NEW_TOKENS / run_s, 1)}
 
 
 def _with_bound(row: dict, bandwidth_gb_s: float) -> dict:
