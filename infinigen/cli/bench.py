@@ -162,7 +162,7 @@ def bench(
     grid = settings_grid(runtime)
     chunk = prefill_chunk or None
     subject_config = model_config(model) if model is not None else shape_config(shape, layers)
-    pairs, throughput = _auto_batches(pairs, grid, subject_config, dtype, device, budget, gen_len, chunk)
+    pairs, throughput = _auto_batches(pairs, grid, subject_config, dtype, device, budget, chunk)
     cases = [
         case
         for b, n in pairs
@@ -245,7 +245,7 @@ def _sizes(text: str) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
-def _auto_batches(pairs: list, grid: list[dict], subject_config, dtype: str, device: str, budget, gen_len: int, chunk):
+def _auto_batches(pairs: list, grid: list[dict], subject_config, dtype: str, device: str, budget, chunk):
     """``pairs`` with each ``auto`` batch set by the throughput plan (``memory.throughput``) for the grid's
     first policy of ours, at the pair's context, and what the plan estimated (the report's ``throughput``)."""
     import torch
@@ -280,14 +280,8 @@ def _auto_batches(pairs: list, grid: list[dict], subject_config, dtype: str, dev
 def _measured_run(plan: dict, results: list[dict]) -> dict:
     """An auto batch's plan beside what its row measured, over the run it was planned for (its prefill and
     ``AUTO_NEW_TOKENS`` steps at the measured step): the estimate's check."""
-    row = next(
-        (
-            r
-            for r in results
-            if (r["policy"], r["batch"], r["prompt_len"]) == (plan["policy"], plan["batch"], plan["context"])
-        ),
-        None,
-    )
+    key = (plan["policy"], plan["batch"], plan["context"])
+    row = next((r for r in results if (r["policy"], r["batch"], r["prompt_len"]) == key), None)
     if row is None or row.get("ms_per_step") is None:
         return plan
     run_s = row["prefill_s"] + AUTO_NEW_TOKENS * row["ms_per_step"] / 1e3
