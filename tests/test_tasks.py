@@ -20,6 +20,7 @@ from infinigen.eval.tasks import (
     copa,
     demonstration_indices,
     jsonl_examples,
+    largest_workload,
     openbookqa,
     piqa,
     rte,
@@ -84,6 +85,25 @@ def test_task_scoring_runs_as_the_memory_plan_says(tokenizer):
     assert 0.1 < report["memory_plan"]["planned_peak_gpu_gb"] < 0.11  # cuBLAS workspaces: 0.1
     with pytest.raises(InfinigenError, match="^does not fit: 3 x .* the weights alone do not fit"):
         task_accuracy(model, tokenizer, artifact, examples, shots=0, limit=2, seed=0, batch=2, gpu_memory_gb=0.5)
+
+
+def test_the_largest_workload_bounds_every_group(tokenizer):
+    """What a model too large for the card is loaded for: no group of any task has more rows, a longer prefix
+    or more scored tokens than ``largest_workload``, and some group has each."""
+    from infinigen.eval.decoding import scoring_layout
+    from infinigen.eval.tasks import choice_pairs
+
+    short = [Example.of("One, two, three,", [" four", " five", " six"], 0), Example.of("I ate", [" soup"], 0)]
+    long = [Example.of("the house was old and the street was narrow and", [" the walls were thin"], 0)] * 3
+    work = largest_workload(tokenizer, [short, long], shots=1, limit=3, seed=0, batch=2)
+    layouts = []
+    for examples in (short, long):
+        for start in range(0, min(3, len(examples)), 2):
+            group = [with_shots(examples, i, 1, 0) for i in range(start, min(start + 2, len(examples), 3))]
+            pairs = choice_pairs(tokenizer, group)
+            prefix, _, width = scoring_layout(pairs)
+            layouts.append((len(pairs), prefix, width - 1 - prefix))
+    assert (work.batch, work.context, work.new_tokens) == tuple(max(column) for column in zip(*layouts, strict=True))
 
 
 def test_scoring_needs_two_context_tokens(tokenizer):

@@ -186,9 +186,10 @@ def test_generate_streams_the_layers_asked_and_says_so(prepared):
 
 
 def test_eval_loads_with_the_layers_its_runs_stream_in_host_memory(prepared, tmp_path, monkeypatch):
-    """``eval ppl`` / ``eval needle`` where layers stream (asked here; planned for the eval's windows or longest
-    prompt where the weights exceed the budget): the model loads with them in host memory, never whole on the
-    device, every run plans with them, and the perplexities and answers are a resident run's."""
+    """``eval ppl`` / ``needle`` / ``tasks`` where layers stream (asked here; planned for the eval's windows,
+    longest prompt or largest group where the weights exceed the budget): the model loads with them in host
+    memory, never whole on the device, every run plans with them, and the perplexities, answers and task
+    scores are a resident run's."""
     import infinigen.runtime.weights as weights_module
 
     folder, out = prepared("llama")
@@ -197,19 +198,23 @@ def test_eval_loads_with_the_layers_its_runs_stream_in_host_memory(prepared, tmp
     placed = []
     place = weights_module.place_weights
     monkeypatch.setattr(weights_module, "place_weights", lambda *a: placed.append(a[2].streamed_layers) or place(*a))
-    common = (str(folder), "--artifact", str(out), "--text", str(text), "--device", "cpu", "--json", "--budgets", "0.5")
+    common = (str(folder), "--artifact", str(out), "--device", "cpu", "--json", "--budgets", "0.5")
+    data = tmp_path / "toy.jsonl"
+    line = {"context": "the house was old and the street", "choices": [" was", " the"]}
+    data.write_text("".join(json.dumps(line | {"label": i % 2}) + "\n" for i in range(4)))
     runs = {
-        "ppl": ("eval", "ppl", *common, "--window", "64", "--prefix", "32", "--windows", "2", "--batch", "2"),
-        "needle": ("eval", "needle", *common, "--lengths", "96", "--depths", "0.5", "--trials", "1"),
+        "ppl": ("ppl", *common, "--text", str(text), "--window", "64", "--prefix", "32", "--windows", "2"),
+        "needle": ("needle", *common, "--text", str(text), "--lengths", "96", "--depths", "0.5", "--trials", "1"),
+        "tasks": ("tasks", *common, "--data", str(data), "--shots", "1", "--limit", "3", "--batch", "2"),
     }
+    scores = {"ppl": lambda r: r["perplexity"], "needle": lambda r: r["accuracy"], "tasks": lambda r: r["average"]}
     for name, args in runs.items():
-        resident, streamed = invoke(*args), invoke(*args, "--streamed-layers", "2")
+        resident, streamed = invoke("eval", *args), invoke("eval", *args, "--streamed-layers", "2")
         assert resident.exit_code == 0 and streamed.exit_code == 0, (name, streamed.output)
         rows = [json.loads(result.stdout)["results"] for result in (resident, streamed)]
-        key = "perplexity" if name == "ppl" else "accuracy"
-        assert [r[key] for r in rows[1]] == [r[key] for r in rows[0]], name
+        assert [scores[name](r) for r in rows[1]] == [scores[name](r) for r in rows[0]], name
         assert [[r["streamed_layers"] for r in run] for run in rows] == [[None, None], [2, 2]], name
-    assert placed == [2, 2]  # at load, once an eval; the resident runs placed nothing
+    assert placed == [2, 2, 2]  # at load, once an eval; the resident runs placed nothing
 
 
 def test_a_batch_job_loads_with_its_streamed_layers_in_host_memory(prepared, tmp_path, monkeypatch):

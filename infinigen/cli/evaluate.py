@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -29,9 +30,9 @@ on_eval = functools.partial(command, on=eval_app)
 COMPARED = {"policy": "dense,infinigen", "budget": "0.2,0.1"}  # what every eval compares by default
 
 
-def _load(model: str | None, artifact: str | None, device: str | None, dtype: str | None, runs: list | None = None):
+def _load(model: str | None, artifact: str | None, device: str | None, dtype: str | None, runs: Callable):
     """The loaded model, its checked artifact (None without --artifact) and what every run's settings add:
-    where the weights exceed the GPU budget, the decoder layers kept in host memory for all of ``runs``
+    where the weights exceed the GPU budget, the decoder layers kept in host memory for all of ``runs(tokenizer)``
     (each a ``Workload`` and its settings: ``streaming.streamed_for``), the rest on the GPU, never all of it."""
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
@@ -41,11 +42,11 @@ def _load(model: str | None, artifact: str | None, device: str | None, dtype: st
     from infinigen.runtime.weights import streamed_weights
 
     def streamed(config, tokenizer, torch_dtype, torch_device):
-        pairs = [(work, config_from(settings)) for work, settings in runs]
+        pairs = [(work, config_from(settings)) for work, settings in runs(tokenizer)]
         budget = memory.budget_bytes(pairs[0][1].gpu_memory_gb, torch_device)
         return streaming.streamed_for(memory.model_of(config, torch_dtype), torch_dtype, pairs, budget)
 
-    loaded = load_model(model, device=device, dtype=dtype, before_weights=streamed if runs else None)
+    loaded = load_model(model, device=device, dtype=dtype, before_weights=streamed)
     weights = streamed_weights(loaded.model)
     added = {} if weights is None else {"streamed_layers": len(weights.order)}
     return loaded, open_artifact(artifact, loaded.model) if artifact is not None else None, added
@@ -99,8 +100,8 @@ def ppl(
     journal = Journal(
         output, run | dict(windows=windows, batch=batch, dtype=dtype, recall=recall, pool=cpu_pool_fraction)
     )
-    chunked = [(Workload(min(batch, windows), prefix, window - 1 - prefix, PREFILL_CHUNK), s) for s in rows_settings]
-    loaded, checked, added = _load(model, artifact, device, dtype, chunked)
+    work = Workload(min(batch, windows), prefix, window - 1 - prefix, PREFILL_CHUNK)
+    loaded, checked, added = _load(model, artifact, device, dtype, lambda tokenizer: [(work, s) for s in rows_settings])
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     steps = math.ceil(ids.shape[0] / batch) * (window - prefix)
     rows = []
@@ -187,7 +188,15 @@ def tasks(
       infinigen eval tasks --artifact skewed/ --data my-task.jsonl --shots 0
     """
     from infinigen.eval.journal import Journal
-    from infinigen.eval.tasks import average, builtin_examples, jsonl_examples, paired_with_first, task_accuracy
+    from infinigen.eval.tasks import (
+        SHORT_BLOCK_TOKENS,
+        average,
+        builtin_examples,
+        jsonl_examples,
+        largest_workload,
+        paired_with_first,
+        task_accuracy,
+    )
     from infinigen.runtime.selection.policies import settings_grid
 
     if shots < 0 or limit < 1 or batch < 1:
@@ -200,7 +209,12 @@ def tasks(
     tasks_run = [str(path) for path in data] if data else task_names
     run = dict(eval="tasks", model=model, artifact=artifact, dtype=dtype, tasks=tasks_run, shots=shots, limit=limit)
     journal = Journal(output, run | dict(seed=seed, batch=batch))
-    loaded, checked, _ = _load(model, artifact, device, dtype)  # short prompts: the weights as the card holds them
+
+    def runs(tokenizer) -> list:  # the largest group of any task, for every setting
+        work = largest_workload(tokenizer, examples.values(), shots=shots, limit=limit, seed=seed, batch=batch)
+        return [(work, {"block_tokens": SHORT_BLOCK_TOKENS} | s) for s in all_settings]
+
+    loaded, checked, added = _load(model, artifact, device, dtype, runs)
     rows = []
     per_setting = sum(min(limit, len(e)) for e in examples.values())
     with progress(disable=as_json) as bar:
@@ -222,7 +236,7 @@ def tasks(
                     seed=seed,
                     batch=batch,
                     advance=functools.partial(bar.advance, scoring),
-                    **settings,
+                    **settings | added,
                 )
                 # with --json the hits too: a run cut off by a time limit can still be compared example by example
                 stream_row(
@@ -337,8 +351,8 @@ def needle(
     all_settings = settings_grid(runtime)
     run = dict(eval="needle", model=model, artifact=artifact, dtype=dtype, texts=[str(path) for path in text])
     journal = Journal(output, run | dict(lengths=token_lengths, depths=depth_fractions, trials=trials))
-    longest = [(Workload(1, max(token_lengths), ANSWER_TOKENS, PREFILL_CHUNK), s) for s in all_settings]
-    loaded, checked, added = _load(model, artifact, device, dtype, longest)
+    work = Workload(1, max(token_lengths), ANSWER_TOKENS, PREFILL_CHUNK)
+    loaded, checked, added = _load(model, artifact, device, dtype, lambda tokenizer: [(work, s) for s in all_settings])
     context = loaded.model.config.max_position_embeddings
     if max(token_lengths) + ANSWER_TOKENS > context:
         raise InfinigenError(f"--lengths {max(token_lengths)} + the answer exceeds the model's context of {context}")

@@ -22,7 +22,7 @@ import importlib.util
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.eval.decoding import continuation_logprobs, scoring_plan
+from infinigen.eval.decoding import PREFILL_CHUNK, continuation_logprobs, scoring_layout, scoring_plan
 from infinigen.runtime import cache_for
 from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.text import pad_token_id
@@ -192,11 +192,7 @@ def choice_logprobs(
     """Each example's choices' log-likelihoods, every choice of every example decoded together as one
     batch through a fresh cache (rows never influence each other) with the settings of its memory plan,
     the fractions of the KV that run fetched (of its tokens and of its 16-bit bytes), and the plan."""
-    pairs = [
-        (tokenizer(context).input_ids, tokenizer(choice, add_special_tokens=False).input_ids)  # context: with
-        for example in examples  # the usual special tokens
-        for context, choice in zip(example.contexts, example.choices, strict=True)
-    ]
+    pairs = choice_pairs(tokenizer, examples)
     found = scoring_plan(model, {"block_tokens": SHORT_BLOCK_TOKENS} | settings, pairs)
     cache = cache_for(model, artifact, **memory.cache_settings(found))
     pad = pad_token_id(tokenizer)
@@ -204,6 +200,31 @@ def choice_logprobs(
     summary = cache.summary()
     fetched = {key: summary[key] for key in FRACTIONS}
     return [[next(scores) for _ in example.choices] for example in examples], fetched, found
+
+
+def choice_pairs(tokenizer: PreTrainedTokenizerBase, examples: list[Example]) -> list[tuple[list[int], list[int]]]:
+    """Every choice of ``examples`` as (context ids, with the usual special tokens; choice ids)."""
+    return [
+        (tokenizer(context).input_ids, tokenizer(choice, add_special_tokens=False).input_ids)
+        for example in examples
+        for context, choice in zip(example.contexts, example.choices, strict=True)
+    ]
+
+
+def largest_workload(
+    tokenizer: PreTrainedTokenizerBase, tasks: Iterable[list[Example]], *, shots: int, limit: int, seed: int, batch: int
+) -> memory.Workload:
+    """A workload no group of ``task_accuracy`` over any of ``tasks`` exceeds: the most rows, longest prefix and
+    most scored tokens of any (what a model whose weights exceed the GPU budget is loaded for)."""
+    rows = prefix = scored = 1
+    for examples in tasks:
+        count = min(limit, len(examples))
+        for start in range(0, count, batch):
+            group = [with_shots(examples, index, shots, seed) for index in range(start, min(start + batch, count))]
+            pairs = choice_pairs(tokenizer, group)
+            first, _, width = scoring_layout(pairs)
+            rows, prefix, scored = max(rows, len(pairs)), max(prefix, first), max(scored, width - 1 - first)
+    return memory.Workload(rows, prefix, scored, PREFILL_CHUNK)
 
 
 def _argmax(values: list[float]) -> int:
