@@ -30,10 +30,13 @@ on_eval = functools.partial(command, on=eval_app)
 COMPARED = {"policy": "dense,infinigen", "budget": "0.2,0.1"}  # what every eval compares by default
 
 
-def _load(model: str | None, artifact: str | None, device: str | None, dtype: str | None, runs: Callable):
+def _load(
+    model: str | None, artifact: str | None, device: str | None, dtype: str | None, runs: list, workload: Callable
+):
     """The loaded model, its checked artifact (None without --artifact) and what every run's settings add:
-    where the weights exceed the GPU budget, the decoder layers kept in host memory for all of ``runs(tokenizer)``
-    (each a ``Workload`` and its settings: ``streaming.streamed_for``), the rest on the GPU, never all of it."""
+    where the weights exceed the GPU budget (or ``runs``, the settings of each, stream layers), the decoder
+    layers kept in host memory for ``workload(tokenizer)`` with each of them (``streaming.streamed_for``),
+    the rest on the GPU, never all of it."""
     from infinigen.artifacts import open_artifact
     from infinigen.models import load_model
     from infinigen.runtime.config import config_from
@@ -42,9 +45,12 @@ def _load(model: str | None, artifact: str | None, device: str | None, dtype: st
     from infinigen.runtime.weights import streamed_weights
 
     def streamed(config, tokenizer, torch_dtype, torch_device):
-        pairs = [(work, config_from(settings)) for work, settings in runs(tokenizer)]
-        budget = memory.budget_bytes(pairs[0][1].gpu_memory_gb, torch_device)
-        return streaming.streamed_for(memory.model_of(config, torch_dtype), torch_dtype, pairs, budget)
+        configs, subject = [config_from(settings) for settings in runs], memory.model_of(config, torch_dtype)
+        budget = memory.budget_bytes(configs[0].gpu_memory_gb, torch_device)
+        if all(c.streamed_layers is None for c in configs) and (budget is None or subject.weight_bytes < budget):
+            return None  # the weights fit: a run that must stream moves its layers out once loaded
+        work = workload(tokenizer)
+        return streaming.streamed_for(subject, torch_dtype, [(work, c) for c in configs], budget)
 
     loaded = load_model(model, device=device, dtype=dtype, before_weights=streamed)
     weights = streamed_weights(loaded.model)
@@ -101,7 +107,7 @@ def ppl(
         output, run | dict(windows=windows, batch=batch, dtype=dtype, recall=recall, pool=cpu_pool_fraction)
     )
     work = Workload(min(batch, windows), prefix, window - 1 - prefix, PREFILL_CHUNK)
-    loaded, checked, added = _load(model, artifact, device, dtype, lambda tokenizer: [(work, s) for s in rows_settings])
+    loaded, checked, added = _load(model, artifact, device, dtype, rows_settings, lambda tokenizer: work)
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
     steps = math.ceil(ids.shape[0] / batch) * (window - prefix)
     rows = []
@@ -210,11 +216,11 @@ def tasks(
     run = dict(eval="tasks", model=model, artifact=artifact, dtype=dtype, tasks=tasks_run, shots=shots, limit=limit)
     journal = Journal(output, run | dict(seed=seed, batch=batch))
 
-    def runs(tokenizer) -> list:  # the largest group of any task, for every setting
-        work = largest_workload(tokenizer, examples.values(), shots=shots, limit=limit, seed=seed, batch=batch)
-        return [(work, {"block_tokens": SHORT_BLOCK_TOKENS} | s) for s in all_settings]
+    def largest(tokenizer):  # the largest group of any task
+        return largest_workload(tokenizer, examples.values(), shots=shots, limit=limit, seed=seed, batch=batch)
 
-    loaded, checked, added = _load(model, artifact, device, dtype, runs)
+    scored = [{"block_tokens": SHORT_BLOCK_TOKENS} | settings for settings in all_settings]
+    loaded, checked, added = _load(model, artifact, device, dtype, scored, largest)
     rows = []
     per_setting = sum(min(limit, len(e)) for e in examples.values())
     with progress(disable=as_json) as bar:
@@ -352,7 +358,7 @@ def needle(
     run = dict(eval="needle", model=model, artifact=artifact, dtype=dtype, texts=[str(path) for path in text])
     journal = Journal(output, run | dict(lengths=token_lengths, depths=depth_fractions, trials=trials))
     work = Workload(1, max(token_lengths), ANSWER_TOKENS, PREFILL_CHUNK)
-    loaded, checked, added = _load(model, artifact, device, dtype, lambda tokenizer: [(work, s) for s in all_settings])
+    loaded, checked, added = _load(model, artifact, device, dtype, all_settings, lambda tokenizer: work)
     context = loaded.model.config.max_position_embeddings
     if max(token_lengths) + ANSWER_TOKENS > context:
         raise InfinigenError(f"--lengths {max(token_lengths)} + the answer exceeds the model's context of {context}")
