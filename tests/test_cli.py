@@ -125,6 +125,7 @@ def test_generate_batch_json(prepared, tmp_path, arch, offloaded):
     assert report["stats"]["bytes_host_to_device"] > 0 and set(report["stats"]["per_layer"]) == offloaded
     assert report["stats"]["reuse_rows"] == "on (auto: CPU, to attend rows of earlier steps as on a GPU)"
     assert report["stats"]["resident_extra"] == DEFAULT_RESIDENT_EXTRA
+    assert report["stats"]["kv_bits"] == 8 and report["stats"]["resident_bits"] == 16  # the defaults, as they ran
     assert report["stats"]["fraction_attended"] > report["stats"]["fraction_fetched"]
     selection_only = ("--resident-extra", "0")
     plain = invoke(*args, *selection_only)  # nothing to attend besides the selection: auto leaves reuse off

@@ -290,7 +290,9 @@ def test_bench_counts_a_steps_bytes_alone_and_bounds_the_step():
     from infinigen.cli.bench import _with_bound
 
     for chunk in ("64", "0"):
-        result = bench(f"--batch 1 --prompt-len 256 --gen-len 2 --policies full --prefill-chunk {chunk} --json")
+        result = bench(
+            f"--batch 1 --prompt-len 256 --gen-len 2 --policies full --kv-bits 16 --prefill-chunk {chunk} --json"
+        )
         row = strict_json(result.stdout)["results"][0]
         assert row["h2d_mb_per_step"] == pytest.approx(2 * 2 * 128 * 258 / 1e6, abs=1e-3)
     bounded = _with_bound({"ms_per_step": 30.0, "h2d_mb_per_step": 500.0, "streamed_weights_mb_per_step": 500.0}, 50)

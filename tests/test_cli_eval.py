@@ -73,7 +73,8 @@ def test_eval_tasks_jsonl(prepared, tmp_path, monkeypatch):
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
-    args = f"eval tasks {folder} --artifact {out} --data {data} --shots 2 --limit 3 --budgets 0.5,1 --device cpu"
+    args = f"eval tasks {folder} --artifact {out} --data {data} --shots 2 --limit 3 --budgets 0.5,1 --kv-bits 16"
+    args += " --device cpu"
     result = invoke(*args.split(), "--data", str(other), "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)

@@ -96,7 +96,7 @@ def test_decode_with_a_limited_pool_matches_generate(tokenizer, device):
     spec = cache_for(model, artifact).spec
     row_bytes = 2 * spec.head_dim * model.dtype.itemsize
     gb = (24 * (spec.n_layers - 2) * 2 * spec.n_kv_heads * row_bytes + 0.5) / 1e9  # 24 tokens per sequence
-    settings = dict(budget=0.5, cpu_pool_gb=gb, block_tokens=8)
+    settings = dict(budget=0.5, cpu_pool_gb=gb, block_tokens=8, kv_bits=16)  # 16-bit rows: the pool sized above
     plain_cache, decode_cache = (cache_for(model, artifact, **settings) for _ in range(2))
     expected = greedy(model, inputs, plain_cache, new_tokens=12)
     assert torch.equal(decoded(model, inputs, decode_cache, do_sample=False), expected)

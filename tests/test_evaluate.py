@@ -69,7 +69,7 @@ def test_selection_recall_is_one_for_the_oracle_and_below_for_speculation(tokeni
     beside the selection (the default resident_extra: they are not scored)."""
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     ids = torch.randint(3, 512, (2, 96), generator=torch.Generator().manual_seed(4))
-    scored = dict(batch=2, recall=True, resident_extra=0.0)
+    scored = dict(batch=2, recall=True, resident_extra=0.0, kv_bits=16)  # the oracle scores the rows as moved
     oracle = perplexity(model, artifact, ids, 48, **scored, policy="oracle", budget=0.25)
     assert oracle["recall"] == 1.0 and set(oracle["recall_per_layer"]) == {2}
     assert oracle["resident_extra_applied"] == 0.0 and oracle["fraction_attended"] == oracle["fraction_fetched"]
@@ -77,13 +77,13 @@ def test_selection_recall_is_one_for_the_oracle_and_below_for_speculation(tokeni
     assert blocks["recall"] == 1.0  # the true scores are read block by block from the pool
     reused = perplexity(model, artifact, ids, 48, **scored, policy="oracle", budget=0.25, reuse_rows="on")
     assert reused["recall"] == 1.0 and reused["fraction_moved"] < reused["fraction_fetched"]
-    wider = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="oracle", budget=0.25)
+    wider = perplexity(model, artifact, ids, 48, batch=2, recall=True, policy="oracle", budget=0.25, kv_bits=16)
     assert wider["resident_extra_applied"] == DEFAULT_RESIDENT_EXTRA
     assert wider["fraction_attended"] > wider["fraction_fetched"]
     assert wider["recall"] == 1.0
     speculated = perplexity(model, artifact, ids, 48, **scored, policy="quest", budget=0.25)
     assert 0 < speculated["recall"] < 1
-    exact = perplexity(model, artifact, ids, 48, **scored, policy="infinigen", **EXACT)
+    exact = perplexity(model, artifact, ids, 48, **(scored | EXACT), policy="infinigen")
     assert exact["recall"] == 1.0
 
 

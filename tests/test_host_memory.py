@@ -282,11 +282,11 @@ def test_a_reservation_of_the_pool_size_holds_every_block(tokenizer, monkeypatch
     flush_retired(device)
     monkeypatch.setattr(host_memory, "_reserved", host_memory.defaultdict(list))
     model, artifact = tiny_setup(tokenizer, "llama", device)
-    size = host_pool_size(model.config, 2, 70 + 6, model.dtype, block_tokens=16, budget=0.5)
+    size = host_pool_size(model.config, 2, 70 + 6, model.dtype, block_tokens=16, budget=0.5, kv_bits=16)
     assert (size.blocks, size.block_bytes) == (5, 2 * host_memory.PAGE)
     regions = [f.result() for f in host_memory.reserve_host_memory(size.reservation_bytes(), device)]
     inputs = torch.randint(3, 512, (2, 70), generator=torch.Generator().manual_seed(1)).to(device)
-    cache = cache_for(model, artifact, block_tokens=16, budget=0.5)
+    cache = cache_for(model, artifact, block_tokens=16, budget=0.5, kv_bits=16)
     model.generate(inputs, **{cache_argument(model): cache}, max_new_tokens=6, do_sample=False, pad_token_id=1)
     blocks = [block for layer in cache.offloaded for block in layer.pool.blocks]
     assert len(blocks) == size.blocks and all(within(block, regions) for block in blocks)

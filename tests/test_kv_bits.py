@@ -201,7 +201,7 @@ def test_8_bit_rows_at_budget_one_stay_close_to_dense(tokenizer, arch, policy, r
     ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
     dense = teacher_forced_logits(model, ids, 24, DynamicCache())
     settings = dict(policy=policy, budget=1.0, reuse_rows=reuse_rows)
-    full_precision = teacher_forced_logits(model, ids, 24, cache_for(model, artifact, **settings))
+    full_precision = teacher_forced_logits(model, ids, 24, cache_for(model, artifact, **settings, kv_bits=16))
     assert (full_precision - dense).abs().amax() <= 1e-4
     cache = cache_for(model, artifact, **settings, kv_bits=8)
     quantised = teacher_forced_logits(model, ids, 24, cache)
@@ -212,17 +212,21 @@ def test_8_bit_rows_at_budget_one_stay_close_to_dense(tokenizer, arch, policy, r
 
 
 def test_8_bit_rows_kept_on_the_gpu_attend_what_a_staging_buffer_attends(tokenizer, device):
-    """Row reuse with 8-bit rows keeps them as codes and scales, dequantised for each step's attention: the
-    logits of a run without rows of earlier steps are those of fetching into a staging buffer."""
+    """Row reuse with 8-bit rows keeps them dequantised (``resident_bits`` 16) or as codes and scales,
+    dequantised for each step's attention (8): the logits of a run without rows of earlier steps are those of
+    fetching into a staging buffer either way."""
     model, artifact = tiny_setup(tokenizer, "llama", device)
     ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
     runs = {}
-    for reuse_rows in (False, True):
-        cache = cache_for(model, artifact, budget=0.3, kv_bits=8, reuse_rows=reuse_rows, resident_extra=0)
-        runs[reuse_rows] = teacher_forced_logits(model, ids, 24, cache)
+    for reuse_rows, kept in ((False, None), (True, 16), (True, 8)):
+        settings = dict(budget=0.3, kv_bits=8, reuse_rows=reuse_rows, resident_extra=0, resident_bits=kept)
+        cache = cache_for(model, artifact, **settings)
+        runs[kept] = teacher_forced_logits(model, ids, 24, cache)
         assert (cache.offloaded[0].resident is not None) == reuse_rows
-    assert cache.offloaded[0].resident.rows.dtype == torch.int8
-    assert torch.allclose(runs[True], runs[False], atol=1e-5, rtol=0)
+        if reuse_rows:
+            assert cache.offloaded[0].resident.rows.dtype == (torch.int8 if kept == 8 else model.dtype)
+    assert torch.allclose(runs[16], runs[None], atol=1e-5, rtol=0)
+    assert torch.allclose(runs[8], runs[None], atol=1e-5, rtol=0)
 
 
 def test_8_bit_rows_change_the_bytes_reported(tokenizer):

@@ -45,7 +45,7 @@ def test_the_8b_shape_weights_and_kv_counted_by_hand():
     params = vocab * h * 2 + layers * (2 * h * h + 2 * h * kv + 3 * h * mlp + 2 * h) + h
     assert params == 8_030_261_248 and model.weight_bytes == 2 * params
     work = memory.Workload(batch=2, context=20000, new_tokens=100, prefill_chunk=4096)
-    config = RuntimeConfig(reuse_rows="off")
+    config = RuntimeConfig(reuse_rows="off", kv_bits=16)
     found = parts(memory.plan(model, BF16, work, config))
     row = kv * 2 * 2  # a token's K and V of every KV head, bytes
     assert found["dense layers' KV"] == 2 * 2 * row * 20100  # the run's length, from the start
@@ -139,15 +139,18 @@ def test_dense_policy_keeps_every_layer_on_the_gpu():
     assert "CPU KV pool" not in found and "resident rows" not in found
 
 
-def test_shedding_follows_the_documented_order():
-    """As the budget shrinks, decoding gives up rows of earlier steps (2 -> 1 -> 0), then reuse; the
-    prefill halves its chunk; dense layers go (down to 0: layer 0 then selects from its own input) only
-    where neither suffices. Each phase gives up only what it needs: the settings chosen move one way
-    through that order, and each plan's statement says what was given up."""
+@pytest.mark.parametrize("kv_bits", [16, 8])
+def test_shedding_follows_the_documented_order(kv_bits):
+    """As the budget shrinks, decoding gives up rows of earlier steps (2 -> 1 -> 0; with 8-bit rows each
+    kept 16-bit on the GPU, then 8-bit), then reuse; the prefill halves its chunk; dense layers go (down to
+    0: layer 0 then selects from its own input) only where neither suffices. Each phase gives up only what
+    it needs: the settings chosen move one way through that order, and each plan's statement says what was
+    given up."""
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
     work = memory.Workload(batch=4, context=65536, new_tokens=64, prefill_chunk=4096)
-    config = RuntimeConfig(streamed_layers=0)  # streamed weights, the last resort: below
-    decoding = {(True, 2.0): 0, (True, 1.0): 1, (True, 0.0): 2, (False, 0.0): 3}
+    config = RuntimeConfig(streamed_layers=0, kv_bits=kv_bits)  # streamed weights, the last resort: below
+    kept = [(extra, bits) for extra in (2.0, 1.0, 0.0) for bits in ((16, 8) if kv_bits == 8 else (16,))]
+    decoding = {**{(True, *setting): i for i, setting in enumerate(kept)}, (False, 0.0, 16): len(kept)}
     states = []
     for budget in range(memory.plan(model, BF16, work, config).needed_gpu, model.weight_bytes, -25_000_000):
         found = memory.plan(model, BF16, work, config, budget)
@@ -155,14 +158,22 @@ def test_shedding_follows_the_documented_order():
             break
         assert found.needed_gpu <= budget
         extra = found.config.resident_extra_or_default if found.reuse else 0.0
-        state = (2 - found.config.dense_layers, decoding[found.reuse, extra], 4096 // found.workload.prefill_chunk)
-        said = [f"rows of earlier steps: resident_extra {extra:g}"] if 0 < state[1] < 3 else []
-        said += ["row reuse off"] * (state[1] == 3) + [f"dense layers: {found.config.dense_layers}"] * (state[0] > 0)
+        bits = (found.config.resident_bits or 16) if found.reuse else 16
+        state = (
+            2 - found.config.dense_layers,
+            decoding[found.reuse, extra, bits],
+            4096 // found.workload.prefill_chunk,
+        )
+        said = [f"rows of earlier steps: resident_extra {extra:g}"] if found.reuse and extra < 2 else []
+        said += ["rows kept on the GPU: 8-bit"] * (found.reuse and bits == 8) + ["row reuse off"] * (not found.reuse)
+        said += [f"dense layers: {found.config.dense_layers}"] * (state[0] > 0)
         said += [f"prefill chunk: {found.workload.prefill_chunk} tokens"] * (state[2] > 1)
         assert list(found.shed) == said
         states.append(state)
     assert states == sorted(states), "a smaller budget never gets back what a larger one gave up"
-    assert {s[1] for s in states} == {0, 1, 2, 3} and max(s[2] for s in states) >= 4 and states[-1][0] == 2
+    reached = {s[1] for s in states}
+    assert reached == set(range(len(kept) + 1)) if kv_bits == 16 else {0, 1, len(kept) - 1, len(kept)} <= reached
+    assert max(s[2] for s in states) >= 4 and states[-1][0] == 2
 
 
 def test_padding_costs_the_prefill_a_mask_and_a_bias(tokenizer):
@@ -196,14 +207,22 @@ def test_padding_costs_the_prefill_a_mask_and_a_bias(tokenizer):
 
 def test_the_8b_shape_at_16_x_32k_fits_a_24_gb_card_only_with_every_step_shed(monkeypatch):
     """The capacity the GPU-budget issue asks for on a 24 GB card: 16 x 32K of the 8B shape fits once
-    decoding, the prefill (chunks of 256, blocks no larger) and the dense layers (none: layer 0 selects
-    from its own input) have all given way; with 512-token chunks it does not."""
+    decoding, the prefill (chunks of 256, blocks no larger), the dense layers (none: layer 0 selects from its
+    own input) and the default 8-bit rows (their scales on the GPU) have all given way; with 512-token chunks
+    it does not."""
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
     work = memory.Workload(16, 32768, 8, 4096)
     budget = memory.budget_bytes(24, torch.device("cpu"))
     config = RuntimeConfig(streamed_layers=0)
     found = memory.plan(model, BF16, work, config, budget)
-    assert found.fits and found.shed == ("row reuse off", "dense layers: 0", "prefill chunk: 256 tokens")
+    shed = (
+        "row reuse off",
+        "dense layers: 0",
+        "prefill chunk: 256 tokens",
+        "rows: 16-bit (no room for 8-bit rows' scales)",
+    )
+    assert found.fits and found.shed == shed and found.config.kv_bits == 16
+    assert not memory.plan(model, BF16, work, replace(config, kv_bits=8), budget).fits  # 8-bit rows asked: kept
     assert found.config.prefill_block_tokens == 256
     monkeypatch.setattr(memory, "SMALLEST_CHUNK", 512)
     assert not memory.plan(model, BF16, work, config, budget).fits
@@ -215,12 +234,16 @@ def test_a_large_batch_of_short_prompts_is_planned_by_its_length():
     for a short prompt, where 144 rows of 256 tokens' activations do not fit."""
     model = memory.model_of(shape_config("opt-30b"), torch.float16)
     work = memory.Workload(144, 512, 32, 4096)
-    found = memory.plan(model, torch.float16, work, RuntimeConfig(policy="full", streamed_layers=48), int(15.4e9))
+    found = memory.plan(
+        model, torch.float16, work, RuntimeConfig(policy="full", streamed_layers=48, kv_bits=16), int(15.4e9)
+    )
     assert found.config.block_tokens == 576 and found.fits
     row = 56 * 128 * 2 * 2  # a token's K and V of every head
     assert parts(found)["CPU KV pool"] == 46 * 144 * 576 * row  # 46 offloaded layers
     assert found.workload.prefill_chunk < 256 and found.workload.prefill_chunk >= 512 // 16
-    long = memory.plan(model, torch.float16, replace(work, batch=1, context=8192), RuntimeConfig(policy="full"))
+    long = memory.plan(
+        model, torch.float16, replace(work, batch=1, context=8192), RuntimeConfig(policy="full", kv_bits=16)
+    )
     assert long.config.block_tokens == 1024
 
 
@@ -269,7 +292,7 @@ def test_a_pool_larger_than_the_host_has_is_refused(monkeypatch, prepared):
     refused in one line (with what halves or caps it) before the weights load."""
 
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
-    found = memory.plan(model, BF16, memory.Workload(1, 131072, 8), RuntimeConfig())
+    found = memory.plan(model, BF16, memory.Workload(1, 131072, 8), RuntimeConfig(kv_bits=16))
     monkeypatch.setattr(memory, "host_available_bytes", lambda: found.host + 1)
     assert memory.why_not(found) is None
     monkeypatch.setattr(memory, "host_available_bytes", lambda: found.host - 1)

@@ -18,6 +18,7 @@ from infinigen.runtime.config import PolicyName
 from infinigen.runtime.kernels import scoring
 from infinigen.runtime.kernels.buffers import store_slots
 from infinigen.runtime.kernels.scoring import LEVELS, code_values, group_scores, quantize_rows
+from infinigen.runtime.selection.policies import row_bits
 from infinigen.runtime.selection.policies.base import LayerView
 from infinigen.runtime.selection.policies.h2o import H2OPolicy
 from infinigen.runtime.selection.policies.infinigen import always_fetched
@@ -331,7 +332,8 @@ def test_every_policy_decodes_within_its_budget(tiny_setups, arch, policy, devic
     fraction = stats["fraction_fetched"]
     assert 0 < fraction <= (0.25 + PAGE / 64 if POLICIES[policy].budgeted else 1.0)
     codec = POLICIES[policy].codec
-    assert stats["fraction_bytes"] == pytest.approx(fraction * (codec.bits_per_value / 16 if codec else 1), abs=1e-3)
+    bits = codec.bits_per_value if codec else row_bits(RuntimeConfig(policy=policy))  # 8: the default
+    assert stats["fraction_bytes"] == pytest.approx(fraction * bits / 16, abs=1e-3)
 
 
 class NarrowView:
@@ -364,8 +366,8 @@ def test_policies_read_their_layer_through_the_layer_view_only(tiny_llama, polic
 def test_quantized_kv_tracks_dense_and_moves_fewer_bytes(tokenizer, policy, agreement, device):
     model, artifact = tiny_setup(tokenizer, "qwen2", device)
     ids = torch.randint(3, 512, (2, 72), generator=torch.Generator().manual_seed(2)).to(device)
-    dense = teacher_forced_argmax(model, ids, 40, cache_for(model, artifact, policy="full"))
-    full_bytes = cache_for(model, artifact, policy="full")
+    dense = teacher_forced_argmax(model, ids, 40, cache_for(model, artifact, policy="full", kv_bits=16))
+    full_bytes = cache_for(model, artifact, policy="full", kv_bits=16)
     teacher_forced_argmax(model, ids, 40, full_bytes)
     quantized = cache_for(model, artifact, policy=policy)
     assert float((teacher_forced_argmax(model, ids, 40, quantized) == dense).float().mean()) >= agreement

@@ -399,48 +399,62 @@ def test_auto_keeps_fewer_rows_of_earlier_steps_before_none(tokenizer, monkeypat
     assert torch.equal(tokens, one_tokens) and not torch.equal(tokens, two_tokens)
 
 
-@pytest.mark.parametrize("kv_bits", [16, 8])
-def test_the_estimate_bounds_what_the_resident_rows_take(tokenizer, monkeypatch, kv_bits):
-    """The resident rows' estimate bounds their buffers; 8-bit rows stay codes and scales on the GPU, with
-    one buffer that takes a layer's rows dequantised for attention."""
+@pytest.mark.parametrize("kv_bits, resident_bits", [(16, None), (8, None), (8, 8)])
+def test_the_estimate_bounds_what_the_resident_rows_take(tokenizer, monkeypatch, kv_bits, resident_bits):
+    """The resident rows' estimate bounds their buffers; 8-bit rows are kept dequantised unless asked (or
+    chosen by auto reuse) to stay codes and scales on the GPU, with one buffer that takes a layer's rows
+    dequantised for attention."""
     pretend_a_gpu(monkeypatch)
-    _, cache = decode(tokenizer, budget=0.3, reuse_rows="on", kv_bits=kv_bits)
-    layers = cache.offloaded
+    _, cache = decode(tokenizer, budget=0.3, reuse_rows="on", kv_bits=kv_bits, resident_bits=resident_bits)
+    layers, kept = cache.offloaded, resident_bits or 16
     held = sum(t.nbytes for layer in layers for t in vars(layer.resident).values() if t is not None)
-    if kv_bits == 8:
+    assert cache.summary()["resident_bits"] == kept
+    if kept == 8:
         assert layers[0].resident.rows.dtype == torch.int8 and layers[0].resident.scales.dtype == torch.float32
         held += cache.buffers["dequantised", 0].nbytes
+    else:
+        assert layers[0].resident.rows.dtype == torch.float32 and layers[0].resident.scales is None
     batch, kv_heads = layers[0].valid.shape[:2]
     sizes = (batch, kv_heads, layers[0].head_dim, 4, layers[0].capacity, cache.layer_budgets, 8)
-    need = reuse.resident_bytes(*sizes, cache.resident_extra, kv_bits=kv_bits)
+    need = reuse.resident_bytes(*sizes, cache.resident_extra, kept_bits=kept)
     assert held <= need < 4 * held  # at this tiny size quest's page slack and the growth copy weigh most
     # Llama-3-8B at 8 x 16K, 10% on each of 30 offloaded layers: that share of the KV, plus position lookups
     share = 0.1 * 30 * 8 * 8 * 16384 * 2 * 128 * 2
     wide = reuse.resident_bytes(8, 8, 128, 2, 16384, [0.1] * 30, 8)
     assert share < wide < 1.15 * share
-    assert reuse.resident_bytes(8, 8, 128, 2, 16384, [0.1] * 30, 8, kv_bits=8) < 0.6 * wide
+    assert reuse.resident_bytes(8, 8, 128, 2, 16384, [0.1] * 30, 8, kept_bits=8) < 0.6 * wide
 
 
 def test_auto_falls_back_when_the_pools_outgrow_the_cap(tokenizer, monkeypatch):
     """A cap that fits the prompt's pools but not the grown ones: reuse on at first, then every layer
     drops its resident rows and fetches as without reuse; the same tokens throughout."""
     pretend_a_gpu(monkeypatch)
-    plain_tokens, plain = decode(tokenizer, budget=0.3, reuse_rows="off")
+    plain_tokens, plain = decode(tokenizer, budget=0.3, reuse_rows="off", kv_bits=16)
     layer = plain.offloaded[0]
     batch, kv_heads = layer.valid.shape[:2]
 
-    def need(capacity):
-        return reuse.resident_bytes(batch, kv_heads, layer.head_dim, 4, capacity, plain.layer_budgets, 8)
+    def need(capacity, kept_bits=16, extra=0.0):
+        return reuse.resident_bytes(
+            batch, kv_heads, layer.head_dim, 4, capacity, plain.layer_budgets, 8, extra, kept_bits
+        )
 
     prompt_capacity = 64  # 57 prompt tokens in blocks of 8
     assert layer.capacity > prompt_capacity
     cap_gb = (need(prompt_capacity) + need(prompt_capacity + 8)) / 2 / 1e9
-    tokens, cache = decode(tokenizer, budget=0.3, reuse_gpu_gb=cap_gb)
+    tokens, cache = decode(tokenizer, budget=0.3, reuse_gpu_gb=cap_gb, kv_bits=16)
     assert torch.equal(tokens, plain_tokens)
     assert "exceeds the cap" in cache.summary()["reuse_rows"]
     assert cache.summary()["reuse_rows"].endswith(", from 72 tokens on)")
     assert all(layer.resident is None for layer in cache.offloaded)
-    _, reusing = decode(tokenizer, budget=0.3, reuse_rows="on")
+    # 8-bit rows: where the rows of earlier steps no longer fit dequantised, they stay 8-bit on the GPU
+    kept_16, kept_8 = (need(layer.capacity, bits, extra=2.0) for bits in (16, 8))
+    assert kept_8 < kept_16
+    asked, _ = decode(tokenizer, budget=0.3, reuse_rows="on", kv_bits=8, resident_bits=8)
+    tokens, kept = decode(tokenizer, budget=0.3, reuse_gpu_gb=(kept_8 + kept_16) / 2 / 1e9, kv_bits=8)
+    assert torch.equal(tokens, asked) and kept.summary()["resident_bits"] == 8
+    assert kept.summary()["reuse_rows"].endswith("kept 8-bit)") and kept.summary()["resident_extra"] == 2.0
+    assert all(layer.resident.rows.dtype == torch.int8 for layer in kept.offloaded)
+    _, reusing = decode(tokenizer, budget=0.3, reuse_rows="on", kv_bits=16)
     moved = cache.summary()["bytes_host_to_device"]
     assert reusing.summary()["bytes_host_to_device"] < moved < plain.summary()["bytes_host_to_device"]
 

@@ -217,13 +217,15 @@ def test_batched_equals_one_by_one_smollm2(smollm2_on, device):
 
 
 def pool_gb(tokens: int, kv_heads: int = 2, head_dim: int = 16, layers: int = 1) -> float:
-    return (tokens * layers * kv_heads * 2 * head_dim * 4 + 0.5) / 1e9  # float32 rows; GB of 10^9 bytes
+    return (tokens * layers * kv_heads * 2 * head_dim * 4 + 0.5) / 1e9  # float32 rows (kv_bits 16); GB of 10^9 bytes
 
 
 @pytest.mark.parametrize("eviction", ["counter", "fifo", "lru"])
 def test_small_pool_evicts_and_stays_consistent(tokenizer, eviction, device):
     model, artifact = tiny_setup(tokenizer, "llama", device)
-    cache = cache_for(model, artifact, cpu_pool_gb=pool_gb(32), block_tokens=8, eviction=eviction, budget=0.5)
+    cache = cache_for(
+        model, artifact, cpu_pool_gb=pool_gb(32), block_tokens=8, eviction=eviction, budget=0.5, kv_bits=16
+    )
     inputs = {"input_ids": torch.randint(3, 512, (1, 20), device=device)}
     out = greedy(model, inputs, cache, new_tokens=30)
     assert out.shape == (1, 30)
@@ -244,7 +246,8 @@ def test_small_pool_evicts_and_stays_consistent(tokenizer, eviction, device):
 
 def test_layers_define_every_attribute_at_construction(tokenizer):
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
-    cache = cache_for(model, artifact, cpu_pool_gb=pool_gb(32), block_tokens=8, budget=0.5)  # evicts: all bookkeeping
+    settings = dict(cpu_pool_gb=pool_gb(32), block_tokens=8, budget=0.5, kv_bits=16)
+    cache = cache_for(model, artifact, **settings)  # evicts: all bookkeeping
     before = [set(vars(layer)) for layer in cache.layers]
     greedy(model, {"input_ids": torch.randint(3, 512, (1, 20))}, cache, new_tokens=20)
     assert cache.summary()["evicted_tokens"] > 0
@@ -266,7 +269,7 @@ def test_partial_key_cache_bits(tokenizer, bits, device):
 
 def test_pool_too_small_for_prompt(tokenizer):
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
-    cache = cache_for(model, artifact, cpu_pool_gb=pool_gb(8), block_tokens=8)
+    cache = cache_for(model, artifact, cpu_pool_gb=pool_gb(8), block_tokens=8, kv_bits=16)
     with pytest.raises(InfinigenError, match="holds 8 tokens .* too few for 20 prompt tokens"):
         greedy(model, {"input_ids": torch.randint(3, 512, (1, 20))}, cache)
 

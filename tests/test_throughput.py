@@ -33,7 +33,7 @@ def test_a_streamed_step_is_its_bytes_over_the_link():
     """Every layer streamed, ``full``: the step is the streamed weights and every cached row over the link
     (the device's own work is far shorter); with the weights resident, ``dense`` is the weights read once."""
     model, work = opt_30b(), memory.Workload(8, 512, 32, 4096)
-    found = memory.plan(model, F16, work, RuntimeConfig(policy="full", streamed_layers=48, dense_layers=0))
+    found = memory.plan(model, F16, work, RuntimeConfig(policy="full", streamed_layers=48, dense_layers=0, kv_bits=16))
     rows = 48 * 8 * 56 * 544 * 128 * 2 * 2  # every layer's K and V of every (row, head, token)
     expected = (48 * model.layer_bytes + rows) / 50e9 * 1e3
     assert step_estimate_ms(found, RATES) == pytest.approx(expected, rel=1e-6)

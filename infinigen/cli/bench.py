@@ -197,7 +197,11 @@ def bench(
         report |= {"host_reserve_gb": reserve_host_gb, "host_reserved_s": round(reserved_s, 2)}
         report |= {"load_s": round(loaded_s, 2), "host_reserve_wait_s": round(max(0.0, reserved_s - loaded_s), 2)}
     if micro:
-        report |= micro_report(subject.model, contexts, runtime["budget"][0], runtime["kv_bits"])
+        from infinigen.runtime.config import RuntimeConfig
+        from infinigen.runtime.selection.policies import row_bits
+
+        formats = [bits or row_bits(RuntimeConfig()) for bits in runtime["kv_bits"]]
+        report |= micro_report(subject.model, contexts, runtime["budget"][0], formats)
         if plot is not None:
             report["plot"] = str(plot_micro(report, plot))
         if not printed_json(report, as_json):

@@ -94,6 +94,8 @@ def _config(model: str | None, shape: str | None, positions: int):
 
 
 def _plan_report(found) -> dict:
+    from infinigen.runtime.selection.policies import row_bits
+
     config, work = found.config, found.workload
     return {
         "policy": found.policy,
@@ -108,9 +110,10 @@ def _plan_report(found) -> dict:
         "settings": {
             "reuse_rows": "on" if found.reuse else "off",
             "resident_extra": config.resident_extra_or_default if found.reuse else 0.0,
+            "resident_bits": (config.resident_bits or 16) if found.reuse else None,
             "dense_layers": config.dense_layers,
             "prefill_chunk": work.prefill_chunk,
-            "kv_bits": config.kv_bits,
+            "kv_bits": row_bits(config),
             "streamed_layers": config.streamed_layers or 0,
         },
         "parts": [{"part": p.name, "where": p.where, "when": p.phase, "gb": _gb(p.nbytes)} for p in found.parts],

@@ -22,14 +22,14 @@ def pool_settings(model: PreTrainedModel, settings: dict, tokens: int, batch: in
     ones are smaller), over the layers it offloads."""
     from infinigen.architectures import model_spec, sliding_windows
     from infinigen.runtime.memory.pool import row_bytes
-    from infinigen.runtime.selection.policies import POLICIES
+    from infinigen.runtime.selection.policies import POLICIES, row_bits
 
     spec, config = model_spec(model.config), config_from(settings)
     policy = POLICIES[config.policy]
     windows = sliding_windows(model.config)  # sliding-window layers are never offloaded
     offloaded = sum(w is None and i >= config.dense_layers for i, w in enumerate(windows)) if policy.offloads else 0
     tokens -= tokens % block_tokens
-    stored = row_bytes(spec.head_dim, model.dtype, policy.codec, config.kv_bits)
+    stored = row_bytes(spec.head_dim, model.dtype, policy.codec, row_bits(config))
     nbytes = tokens * offloaded * batch * spec.n_kv_heads * stored
     return {"cpu_pool_gb": (nbytes + 0.5) / 1e9, "block_tokens": block_tokens}  # + half a byte: no rounding down
 

@@ -122,12 +122,14 @@ class RuntimeConfig:
         "infinigen's partial key cache on the GPU: 4 (two codes a byte + a scale per token) | 8 | 16.",
         applies_to=("speculates",),
     )
-    # int8 codes with a float32 scale per (token, KV head, K/V): FP8 e4m3 lost more perplexity on
-    # SmolLM2 (ACCURACY.md, "8-bit rows")
-    kv_bits: KVBits = option(
-        16,
-        "Bits per K/V value in the CPU pool and over the bus: 16 (the model's dtype) | 8 (int8; a scale "
-        "per token, KV head and K/V kept on the GPU; dequantised as rows are fetched: half the bytes).",
+    # int8 codes with a float32 scale per (token, KV head, K/V), keys smoothed per channel: within 0.11% of
+    # 16-bit rows' perplexity on SmolLM2, Qwen2.5-Coder-0.5B (16K, 32K) and Gemma-3-270m, the same needles, for
+    # half the bytes a step moves (ACCURACY.md, "8-bit rows"); FP8 e4m3 lost more
+    kv_bits: KVBits | None = option(
+        None,
+        "Bits per K/V value in the CPU pool and over the bus: 8 (int8, keys smoothed per channel first; a scale "
+        "per token, KV head and K/V kept on the GPU; dequantised as rows are fetched: half the bytes) | 16 (the "
+        "model's dtype: exactly its KV). Default: 8 for policies that offload plain rows.",
         applies_to=("offloads", "plain_rows"),
     )
     # auto: on where it pays and fits (memory.reuse.decide): on a GPU, for budgeted policies with an
@@ -161,6 +163,16 @@ class RuntimeConfig:
         f"recently selected go first). 0: the selection only. Default: {DEFAULT_RESIDENT_EXTRA:g} where rows "
         "are reused (auto keeps fewer, then none, where memory is short).",
         applies_to=("budgeted",),
+    )
+    # Kept 16-bit, the rows fetched as 8-bit codes are dequantised once, as they arrive; kept 8-bit, every
+    # resident row is dequantised at every step for attention (+2 ms a step at 8 x 16K on an H200, BENCHMARKS.md
+    # "8-bit rows"), for half the GPU memory: where that lets more rows of earlier steps stay, fewer move.
+    resident_bits: KVBits | None = option(
+        None,
+        "With --kv-bits 8 and row reuse: bits of the rows kept on the GPU: 16 (dequantised as they arrive: the "
+        "fastest step) | 8 (as moved; half the GPU memory, dequantised for attention at every step). Default: "
+        "16 where they fit with the rows of earlier steps asked, else 8 where more of those fit.",
+        applies_to=("budgeted", "plain_rows"),
     )
     # What the memory plan (``memory.plan``) fits a run into: its automatic choices (row reuse, rows of
     # earlier steps, dense layers, the prefill chunk) come from it, and a run it cannot fit is refused

@@ -191,12 +191,14 @@ def run_stats(cache: InfinigenCache, timer: TokenTimer, batch: int, prompt_len: 
         "decode_tok_s": round(batch * (new_tokens - 1) / decode_s, 1) if decode_s > 0 else None,
         "budget": cache.config.budget if cache.policy_type.budgeted else None,
         "allocation": summary["allocation"],
+        "kv_bits": summary["kv_bits"],  # the rows' format in the CPU pool and over the bus
         "reuse_rows": summary["reuse_rows"],  # whether rows stayed on the GPU, and why
         "fraction_fetched": summary["fraction_fetched"],
         "fraction_fetched_p95": max((v["fraction_p95"] for v in summary["per_layer"].values()), default=0.0),
         "fraction_moved": summary["fraction_moved"],  # below fraction_fetched where rows stay on the GPU
         "fraction_attended": summary["fraction_attended"],  # above it with rows of earlier steps (resident_extra)
         "resident_extra": summary["resident_extra"],
+        "resident_bits": summary["resident_bits"],  # of the rows kept on the GPU
         "bytes_host_to_device": summary["bytes_host_to_device"],
         "bytes_device_to_host": summary["bytes_device_to_host"],
         "prefetch_wait_ms": summary["prefetch_wait_ms"],  # eager steps only

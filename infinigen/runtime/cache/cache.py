@@ -33,7 +33,7 @@ from infinigen.runtime.memory.host_memory import HostBlocks
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import blocks_ahead, offloaded_layer_indices, pool_limit
 from infinigen.runtime.selection.allocation import offloaded_budgets
-from infinigen.runtime.selection.policies import Selection, make_policy, supported_policy
+from infinigen.runtime.selection.policies import Selection, make_policy, row_bits, supported_policy
 from infinigen.runtime.selection.speculation import LayerSpeculator
 from infinigen.runtime.streams import side_stream
 from infinigen.runtime.weights import streamed_weights, weights_for_run
@@ -76,9 +76,9 @@ class InfinigenCache(Cache):
         self.capturing = False  # a decode step is being captured: no host work that a replay would skip
         self.replayed_steps = 0  # decode steps run as graph replays (the last one's waits are timed)
         self.diagnostics = Diagnostics()
-        # row reuse (budgeted policies only): as asked, or auto (``reuse_auto``: a decision still to make, or to
-        # check again as the pools grow); ``resident_extra``: ``RuntimeConfig.resident_extra`` as it applies
-        self.reuse, self.reuse_auto, self.resident_extra = reuse.initial(config, self.policy_type.budgeted)
+        # row reuse (budgeted policies only): as asked, or auto (``reuse_auto``: a decision still to make, or to check
+        # again as the pools grow); the rows of earlier steps it keeps and the bits it keeps rows in, as they apply
+        self.reuse, self.reuse_auto, self.resident_extra, self.resident_bits = reuse.initial(config, self.policy_type)
         self.gpu_budget: int | None = None  # the budget auto reuse plans within, from the first prefill
         self.expected_tokens = 0  # what the run will cache per row, where its decode loop says (``expect``)
         # what the plan reads of the model: its config and its weights (every tensor-parallel rank's)
@@ -148,7 +148,7 @@ class InfinigenCache(Cache):
         """The sizes of the pool blocks a multi-token step of these keys (layer 0's, B, kv_heads, T, d)
         will add, layer by layer (``sizing.blocks_ahead``)."""
         batch, kv_heads, new, head_dim = key_states.shape
-        rows = row_bytes(head_dim, key_states.dtype, self.policy_type.codec, self.config.kv_bits)
+        rows = row_bytes(head_dim, key_states.dtype, self.policy_type.codec, row_bits(self.config))
         made = [(layer.used, 0 if layer.pool is None else len(layer.pool.blocks)) for layer in self.offloaded]
         limit = self.pool_limit(batch, key_states.dtype)
         return blocks_ahead(made, new, batch * kv_heads * rows, self.config.block_tokens, limit)
@@ -166,7 +166,7 @@ class InfinigenCache(Cache):
         """Tokens per (batch row, KV head) each offloaded layer's pool may hold (whole blocks).
         ``cpu_pool_gb`` is the limit of all tensor-parallel ranks together, each holding its share of
         the KV heads: every rank keeps as many tokens as one process would, and evicts the same ones."""
-        nbytes = row_bytes(self.spec.head_dim, dtype, self.policy_type.codec, self.config.kv_bits)
+        nbytes = row_bytes(self.spec.head_dim, dtype, self.policy_type.codec, row_bits(self.config))
         pool_gb = None if self.config.cpu_pool_gb is None else self.config.cpu_pool_gb / self.shard.ranks
         return pool_limit(pool_gb, self.n_offloaded, batch, self.shard.kv_count, nbytes, self.config.block_tokens)
 
@@ -187,9 +187,8 @@ class InfinigenCache(Cache):
     def reuses(self, layer: OffloadedLayer) -> bool:
         """Whether ``layer``'s decode fetches keep rows on the GPU. Auto decides at the first decode
         fetch and again whenever a pool has grown, from host arithmetic alone (it may run while a step
-        is captured): with as many rows of earlier steps as fit (``reuse.fallback_extras``), else
-        without them, else off. Where the rows kept no longer fit, every layer drops them and goes on as
-        decided."""
+        is captured): with as many rows of earlier steps as fit, in 16 bits, else 8 (``reuse.fallback_settings``),
+        else without them, else off. Where the rows kept no longer fit, every layer drops them and goes on."""
         if self.reuse_auto and layer.capacity > self.reuse_capacity:
             batch, kv_heads = layer.valid.shape[:2]
             sizes = (layer.head_dim, layer.dtype.itemsize, layer.capacity, self.layer_budgets, self.config.min_tokens)
@@ -197,14 +196,14 @@ class InfinigenCache(Cache):
                 self.planned, layer.dtype, batch, layer.capacity, self.config, self.gpu_budget, ranks=self.shard.ranks
             )
             room = reuse.room_from(planned, self.config.reuse_gpu_gb)
-            need = partial(reuse.resident_bytes, batch, kv_heads, *sizes, kv_bits=self.config.kv_bits)
-            decision, extra = reuse.decide_extra(need, room, self.config.resident_extra_or_default)
-            if self.reuse.on and (not decision.on or extra < self.resident_extra):
+            need = partial(reuse.resident_bytes, batch, kv_heads, *sizes)
+            decision, extra, bits = reuse.decide_extra(need, room, self.config)
+            if self.reuse.on and (not decision.on or extra < self.resident_extra or bits != self.resident_bits):
                 for other in self.offloaded:
                     other.resident = None  # a step's rows in flight stay referenced by its ``Fetched``
                 decision = reuse.Decision(decision.on, f"{decision.reason}, from {layer.capacity} tokens on")
             self.reuse, self.reuse_auto, self.reuse_capacity = decision, decision.on, layer.capacity
-            self.resident_extra = extra
+            self.resident_extra, self.resident_bits = extra, bits
         return self.reuse is not None and self.reuse.on
 
     # --- decode steps ------------------------------------------------------------------------
@@ -485,7 +484,7 @@ class InfinigenCache(Cache):
         row_bytes = offloaded[0].pool.row_bytes if offloaded else 0
         pool_bytes = sum(layer.pool.nbytes for layer in offloaded)
         summary = summarize(offloaded, row_bytes, wait_ms, pool_bytes)
-        kv_bits = self.config.kv_bits
+        kv_bits = row_bits(self.config)
         bits = bits_moved(self.policy_type.codec, kv_bits)
         summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
         summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
@@ -496,5 +495,6 @@ class InfinigenCache(Cache):
             "kv_bits": kv_bits if self.policy_type.offloads and self.policy_type.plain_rows else None,  # else n/a
             "reuse_rows": None if self.reuse is None else str(self.reuse),  # e.g. "on (auto: 0.40 GB fits in ...)"
             "resident_extra": self.resident_extra if self.policy_type.budgeted else None,  # as it applied at the end
+            "resident_bits": self.resident_bits if self.reuse is not None and self.reuse.on else None,
         }
         return head | summary | {"replayed_steps": self.replayed_steps}

@@ -23,6 +23,7 @@ from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.kernels.buffers import grown, grown_to
 from infinigen.runtime.memory.pool import KVPool, stored_width
 from infinigen.runtime.memory.reuse import ResidentRows
+from infinigen.runtime.selection.policies import row_bits
 from infinigen.runtime.selection.policies.base import Policy, RowCodec, Selection, rows_bound
 from infinigen.runtime.selection.speculation import LayerSpeculator
 
@@ -197,7 +198,7 @@ class OffloadedLayer(_Layer):
             self.dtype,
             self.device,
             block_tokens=self.config.block_tokens,
-            kv_bits=self.config.kv_bits,
+            kv_bits=row_bits(self.config),
             gather_rows=self.config.gather_rows,
             gather_programs=self.config.gather_programs,
             host=self.cache.host_blocks,
@@ -327,7 +328,7 @@ class OffloadedLayer(_Layer):
         """The rows kept on the GPU between steps (row reuse), with room for ``positions``."""
         if self.resident is None:
             batch, kv_heads = self.valid.shape[:2]
-            int8 = self.pool.kv_bits == 8  # kept as moved: codes and scales
+            int8 = self.pool.kv_bits == 8 and self.cache.resident_bits == 8  # kept as moved: codes and scales
             self.resident = ResidentRows(batch, kv_heads, self.head_dim, self.dtype, self.device, int8)
         held = self.resident.rows
         self.resident.grow(positions, self.capacity)

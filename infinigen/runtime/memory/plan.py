@@ -6,14 +6,16 @@ Under a GPU budget the plan also makes the runtime's choices that cost GPU memor
 prefill never hold their workspaces at once, so when the budget is short each gives up only what it
 needs, each step stated (``MemoryPlan.shed``):
 
-- decoding: rows of earlier steps (``resident_extra``: as asked, then 1, then 0), then row reuse itself,
-  where reuse is automatic;
+- decoding: rows of earlier steps (``resident_extra``: as asked, then 1, then 0; with 8-bit rows each
+  first kept 16-bit on the GPU, then 8-bit: ``resident_bits``), then row reuse itself, where reuse is
+  automatic;
 - the prefill: its chunk, 4,096 tokens for a one-shot prefill, then halved down to 256 (a 16th of a
   shorter prompt, at least 32; the earlier chunks' KV then read in blocks of at most the chunk:
   ``prefill_block_tokens``);
 - only where neither suffices, dense layers, down to 0 (a speculating policy then selects layer 0 from
   its own input, fetching without overlap: the paper keeps it dense for accuracy), each time with the
   most of the above that then fits;
+- then, where ``kv_bits`` is the default, 16-bit rows (8-bit ones keep a scale per row on the GPU);
 - only where nothing fits, weights streamed from host memory, with the settings of the fewest bytes over
   the run (``streaming``).
 
@@ -32,12 +34,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from infinigen.architectures import decoder_layers, model_spec, sliding_windows
+from infinigen.architectures import decoder_layers, sliding_windows
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.kernels.chunk_attention import ALIGN
 from infinigen.runtime.memory import host_memory, reuse, streaming
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import (
+    Model,
     host_pool_size,
     offloaded_layer_indices,
     pool_block_tokens,
@@ -45,7 +48,10 @@ from infinigen.runtime.memory.sizing import (
     streamed_count,
     weight_slots,
 )
-from infinigen.runtime.selection.policies import policy_class
+from infinigen.runtime.memory.sizing import (
+    model_of as model_of,  # the plan's interface: a model's ``Model`` from its config
+)
+from infinigen.runtime.selection.policies import policy_class, row_bits
 from infinigen.runtime.selection.policies.base import rows_bound
 from infinigen.runtime.selection.speculation import padded_channels
 
@@ -79,49 +85,6 @@ class Workload:
     @property
     def chunk(self) -> int:
         return min(self.prefill_chunk or self.context, self.context)
-
-
-@dataclass(frozen=True)
-class Model:
-    """What the plan reads of a model: its config's geometry and its weights' size, no weights."""
-
-    config: object  # transformers' config
-    weight_bytes: int  # the parameters in the plan's dtype
-    layer_bytes: int = 0  # the largest decoder layer's parameters, in a streaming slot (0: none streams)
-
-    @property
-    def spec(self):
-        return model_spec(self.config)
-
-    @property
-    def hidden(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def intermediate(self) -> int:
-        return getattr(self.config, "intermediate_size", None) or self.config.ffn_dim  # OPT: ffn_dim
-
-    @property
-    def vocab(self) -> int:
-        return self.config.vocab_size
-
-
-def model_of(config, dtype: torch.dtype) -> Model:
-    """``Model`` from a config: the parameters counted on the meta device (nothing allocated; tied
-    weights once)."""
-    key = config.to_json_string(use_diff=False)
-    if key not in _COUNTS:
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        layers = [[p.numel() for p in layer.parameters()] for layer in decoder_layers(model)]
-        _COUNTS[key] = sum(p.numel() for p in model.parameters()), max(layers, key=sum)
-    count, layer = _COUNTS[key]
-    return Model(config, count * dtype.itemsize, slot_bytes(n * dtype.itemsize for n in layer))
-
-
-_COUNTS: dict[str, tuple[int, list[int]]] = {}  # parameters, the largest layer's: a sweep plans a model often
 
 
 @dataclass(frozen=True)
@@ -196,9 +159,9 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
     parts.append(Part("sliding windows' KV", "gpu", batch * kv_row * sliding))
     if offloaded:
         channels = opts.get("channels") or padded_channels(math.ceil(d * 0.5))  # the default artifact's half
-        per_slot = 1 + (8 if config.kv_bits == 8 else 0) + (20 if config.cpu_pool_gb is not None else 0)
+        per_slot = 1 + (8 if row_bits(config) == 8 else 0) + (20 if config.cpu_pool_gb is not None else 0)
         per_slot += policy.slot_bytes(config, d, e, channels)
-        factors = kv * 2 * d * 4 if config.kv_bits == 8 else 0  # 8-bit rows' channel factors, float32
+        factors = kv * 2 * d * 4 if row_bits(config) == 8 else 0  # 8-bit rows' channel factors, float32
         state = int(len(offloaded) * (batch * kv * capacity * per_slot + factors))
         parts.append(Part("offloaded layers' slot state", "gpu", state))
         if policy.speculates:  # partial key columns; the query's per head (OPT: folded rows over the hidden size)
@@ -206,7 +169,7 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
             parts.append(Part("speculators' projections", "gpu", len(offloaded) * (query + kv * d * channels) * e))
         budgets = opts.get("layer_budgets") or [config.budget] * len(offloaded)
         if reuse_on:
-            extra, bits = config.resident_extra_or_default, config.kv_bits
+            extra, bits = config.resident_extra_or_default, config.resident_bits or 16
             resident = reuse.resident_bytes(batch, kv, d, e, capacity, budgets, config.min_tokens, extra, bits)
             parts.append(Part("decode: resident rows", "gpu", resident, "decode"))
         else:  # two staging buffers (layers alternate), each the largest fetch
@@ -214,7 +177,7 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
             parts.append(Part("decode: fetch staging", "gpu", 2 * batch * kv_row * (k + 1), "decode"))
         pool = host_pool_size(model.config, batch, work.tokens, dtype, ranks, **_settings(config))
         parts.append(Part("CPU KV pool", "host", pool.nbytes))
-        stored = row_bytes(d, dtype, policy.codec, config.kv_bits) // 2  # one K or V, as the pool keeps it
+        stored = row_bytes(d, dtype, policy.codec, row_bits(config)) // 2  # one K or V, as the pool keeps it
         staging = 2 * batch * kv * min(config.prefill_block_tokens, work.context) * 2 * stored
         parts.append(Part("prefill: earlier chunks' blocks", "gpu", staging, "prefill"))
         selection = 3 * 4 * batch * kv * capacity  # scores, their ranks and counts, float32 / int32
@@ -300,7 +263,9 @@ def plan(
         shed = tuple(_shed_steps(config, settings, reuse_on, reused, work, workload))
         return MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
 
-    candidates = list(_candidates(config, policy, work, auto_reuse, reuse_on))
+    # 8-bit rows by default, 16-bit ones where nothing fits with their scales on the GPU
+    formats = [config] if row_bits(config) == 16 or config.kv_bits else [config, replace(config, kv_bits=16)]
+    candidates = [c for asked in formats for c in _candidates(asked, policy, work, auto_reuse, reuse_on)]
     for candidate in candidates:
         if (tried := planned(*candidate)).fits:
             return tried
@@ -313,11 +278,14 @@ def plan(
 def _candidates(config: RuntimeConfig, policy, work: Workload, auto_reuse: bool, reuse_on: bool):
     """The settings to try, most asked first (the module's docstring): for each number of dense layers,
     each decoding setting, each prefill chunk."""
-    decoding = [(config, reuse_on)]
-    if auto_reuse:
-        extras = reuse.fallback_extras(config.resident_extra_or_default)[1:]
-        decoding += [(replace(config, resident_extra=extra), True) for extra in extras]
-        decoding.append((replace(config, resident_extra=None), False))
+    decoding = [(config, False)]
+    if reuse_on:
+        kept = reuse.fallback_settings(config.resident_extra_or_default, row_bits(config), config.resident_bits)
+        if not auto_reuse:  # reuse as asked: only the bits its rows are kept in may change
+            kept = [(extra, bits) for extra, bits in kept if extra == kept[0][0]]
+        decoding = [(replace(config, resident_extra=extra, resident_bits=bits), True) for extra, bits in kept]
+        if auto_reuse:
+            decoding.append((replace(config, resident_extra=None), False))
     chunks, chunk = [work.prefill_chunk], work.prefill_chunk
     smallest = max(SHORTEST_CHUNK, min(SMALLEST_CHUNK, work.context // 16))
     while (chunk := CHUNK if chunk is None or chunk > CHUNK else chunk // 2) >= smallest:
@@ -335,14 +303,18 @@ def _candidates(config: RuntimeConfig, policy, work: Workload, auto_reuse: bool,
 
 def _shed_steps(asked, settings, reused_asked: bool, reused: bool, work: Workload, workload: Workload):
     """What ``settings`` / ``workload`` gave up against what was asked, in the shedding order."""
-    if reused and settings.resident_extra != asked.resident_extra:
+    if reused and settings.resident_extra_or_default != asked.resident_extra_or_default:
         yield f"rows of earlier steps: resident_extra {settings.resident_extra:g}"
+    if reused and settings.resident_bits == 8 and not asked.resident_bits:
+        yield "rows kept on the GPU: 8-bit"
     if reused_asked and not reused:
         yield "row reuse off"
     if settings.dense_layers != asked.dense_layers:
         yield f"dense layers: {settings.dense_layers}"
     if workload.prefill_chunk != work.prefill_chunk:
         yield f"prefill chunk: {workload.prefill_chunk} tokens"
+    if settings.kv_bits != asked.kv_bits:
+        yield "rows: 16-bit (no room for 8-bit rows' scales)"
     if settings.streamed_layers and not asked.streamed_layers:
         yield f"weights: {settings.streamed_layers} decoder layers streamed from host memory"
 
@@ -424,7 +396,8 @@ def why_not(found: MemoryPlan, **opts) -> str | None:
         return (
             f"does not fit in host memory: {work.batch} x {work.context} tokens (+{work.new_tokens} new) with "
             f"{found.policy} needs {gb(_host_needed(found))} GB for its CPU KV pool{what}, {gb(available)} GB is "
-            "available; --kv-bits 8 halves the pool, --cpu-pool-gb caps it (evicting), or a shorter context or batch"
+            f"available; {'--kv-bits 8 halves the pool, ' if row_bits(found.config) == 16 else ''}--cpu-pool-gb caps "
+            "it (evicting), or a shorter context or batch"
         )
     return None
 
@@ -475,7 +448,7 @@ def refusal(found: MemoryPlan, **opts) -> str:
     if batch >= 1:
         nearest.append(f"--batch {batch}")
     policy = policy_class(config.policy)
-    if policy.plain_rows and policy.offloads and config.kv_bits == 16 and fits(kv_bits=8):
+    if policy.plain_rows and policy.offloads and row_bits(config) == 16 and fits(kv_bits=8):
         nearest.append("--kv-bits 8")
     if found.budget is not None and model.weight_bytes > found.budget:
         return line + ": the weights alone do not fit"

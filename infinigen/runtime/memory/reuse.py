@@ -26,6 +26,7 @@ import torch
 from infinigen.runtime.kernels import placement
 from infinigen.runtime.kernels.buffers import grown_to
 from infinigen.runtime.kernels.triton_support import on_triton
+from infinigen.runtime.selection.policies import row_bits
 from infinigen.runtime.selection.policies.base import rows_bound
 
 PAGE_SLACK = 16  # quest selects whole 16-token pages: up to 15 slots past the budget's share
@@ -62,21 +63,21 @@ def resident_bytes(
     budgets: Sequence[float],
     min_tokens: int,
     extra: float = 0.0,
-    kv_bits: int = 16,
+    kept_bits: int = 16,
 ) -> int:
     """GPU bytes of every offloaded layer's ``ResidentRows`` at a pool ``capacity`` (slots per
     (batch row, KV head)): each holds a layer's selection, at most its budget's share of the capacity
     (``budgets``: each layer's), and ``extra`` of it again, as K and V rows plus the token's own, with
     a slot and an age per position and a position per slot. One layer's buffers more for the copy
-    while one grows. 8-bit rows (``kv_bits`` 8) stay codes, with a float32 scale per row and plane, and
+    while one grows. Rows kept 8-bit (``kept_bits``) stay codes, with a float32 scale per row and plane, and
     one buffer of the largest layer's rows in ``itemsize`` bytes takes them dequantised for attention."""
     per_layer, widest = [], 0
     for budget in budgets:
         positions = resident_positions(rows_bound(budget, capacity, min_tokens) + PAGE_SLACK, extra)
-        held = 2 * (positions + 1) * (head_dim + 4 if kv_bits == 8 else head_dim * itemsize)
+        held = 2 * (positions + 1) * (head_dim + 4 if kept_bits == 8 else head_dim * itemsize)
         per_layer.append(batch * kv_heads * (held + 12 * positions + 4 * (capacity + 1)))
         widest = max(widest, batch * kv_heads * 2 * (positions + 1) * head_dim * itemsize)
-    return sum(per_layer) + max(per_layer, default=0) + (widest if kv_bits == 8 else 0)
+    return sum(per_layer) + max(per_layer, default=0) + (widest if kept_bits == 8 else 0)
 
 
 def room_from(planned: int, cap_gb: float | None) -> tuple[int, str]:
@@ -100,31 +101,48 @@ def decide(need: int, room: tuple[int, str] | None, extra: float = 0.0) -> Decis
     return Decision(fits, f"auto: {need / 1e9:.2f} GB {'fits in' if fits else 'exceeds'} {described}")
 
 
-def initial(config, budgeted: bool) -> tuple[Decision | None, bool, float]:
+def initial(config, policy) -> tuple[Decision | None, bool, float, int]:
     """A cache's row reuse before its first decode step (None: a policy without a budget): as asked, off for
     a limited CPU pool (an evicted slot would leave a stale resident row), else auto, decided at the first
-    decode fetch; with whether it is auto and the rows of earlier steps it keeps (0 without reuse)."""
-    if not budgeted:
-        return None, False, 0.0
+    decode fetch; with whether it is auto, the rows of earlier steps it keeps (0 without reuse) and the bits
+    it keeps rows in (``RuntimeConfig.resident_bits``; 16 until auto decides)."""
+    bits = config.resident_bits or 16
+    if not policy.budgeted:
+        return None, False, 0.0, bits
     if config.reuse_rows != "auto":
         on = config.reuse_rows == "on"
-        return Decision(on, "asked"), False, config.resident_extra_or_default if on else 0.0
+        return Decision(on, "asked"), False, config.resident_extra_or_default if on else 0.0, bits
     if config.cpu_pool_gb is not None:
-        return Decision(False, "auto: limited CPU pool"), False, 0.0
-    return Decision(False, "auto: no decode step yet"), True, 0.0
+        return Decision(False, "auto: limited CPU pool"), False, 0.0, bits
+    return Decision(False, "auto: no decode step yet"), True, 0.0, bits
 
 
-def decide_extra(need: Callable[[float], int], room: tuple[int, str] | None, asked: float) -> tuple[Decision, float]:
-    """Auto reuse at one capacity, with as many rows of earlier steps as fit (``fallback_extras``; ``need``:
-    the resident bytes with that many), else without them, else off: the decision and the extra it keeps."""
-    for extra in fallback_extras(asked):
-        decision = decide(need(extra), room)
+def fallback_settings(extra: float, kv_bits: int, resident_bits: int | None) -> list[tuple[float, int]]:
+    """The (``resident_extra``, bits of the rows kept) pairs auto reuse tries, most first: each extra of
+    ``fallback_extras``, with 8-bit rows (``kv_bits`` 8) and no ``resident_bits`` asked first kept 16-bit
+    (the faster step), then 8-bit (half the memory: where it keeps more rows of earlier steps, fewer move)."""
+    bits = (resident_bits,) if resident_bits else (16, 8) if kv_bits == 8 else (16,)
+    return [(fewer, b) for fewer in fallback_extras(extra) for b in bits]
+
+
+def decide_extra(
+    need: Callable[[float, int], int], room: tuple[int, str] | None, config
+) -> tuple[Decision, float, int]:
+    """Auto reuse at one capacity, with as many rows of earlier steps as ``config`` asks and fit
+    (``fallback_settings``; ``need``: the resident bytes with that many, kept in those bits), else without
+    them, else off: the decision, the extra it keeps and the bits it keeps them in."""
+    asked, bits = config.resident_extra_or_default, config.resident_bits
+    for extra, kept_bits in fallback_settings(asked, row_bits(config), bits):
+        decision = decide(need(extra, kept_bits), room)
         if decision.on:
             break
+    notes = []
     if decision.on and extra < asked:
-        kept = f"with resident_extra {extra:g}" if extra else "without rows of earlier steps"
-        decision = Decision(True, f"{decision.reason}, {kept}")
-    return decision, extra if decision.on else 0.0
+        notes.append(f"with resident_extra {extra:g}" if extra else "without rows of earlier steps")
+    if decision.on and kept_bits == 8 and not bits:
+        notes.append("kept 8-bit")
+    decision = Decision(decision.on, ", ".join([decision.reason, *notes]))
+    return decision, extra if decision.on else 0.0, kept_bits
 
 
 @dataclass(frozen=True)

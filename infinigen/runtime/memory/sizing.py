@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from infinigen.architectures import model_spec, sliding_windows
+from infinigen.architectures import decoder_layers, model_spec, sliding_windows
 from infinigen.runtime.config import config_from
 from infinigen.runtime.memory.host_memory import WORKERS
 from infinigen.runtime.memory.pool import row_bytes
-from infinigen.runtime.selection.policies import policy_class
+from infinigen.runtime.selection.policies import policy_class, row_bits
 
 
 def offloaded_layer_indices(model_config, dense_layers: int, offloads: bool) -> list[int]:
@@ -88,7 +88,7 @@ def host_pool_size(model_config, batch: int, tokens: int, dtype: torch.dtype, ra
     spec = model_spec(model_config)
     n_offloaded = len(offloaded_layer_indices(model_config, config.dense_layers, policy.offloads))
     kv_heads = spec.n_kv_heads // ranks
-    rows = row_bytes(spec.head_dim, dtype, policy.codec, config.kv_bits)
+    rows = row_bytes(spec.head_dim, dtype, policy.codec, row_bits(config))
     pool_gb = None if config.cpu_pool_gb is None else config.cpu_pool_gb / ranks
     limit = pool_limit(pool_gb, n_offloaded, batch, kv_heads, rows, config.block_tokens)
     tokens = tokens if limit is None else min(tokens, limit)
@@ -129,3 +129,46 @@ def streamed_layer_indices(config, layers: int) -> list[int]:
     layer: the 8B shape at 12 GB stepped 1.35x its bound, H200, 2026-11-30.)"""
     count = streamed_count(config, layers)
     return [i for i in range(layers) if (i + 1) * count // layers > i * count // layers]
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the plan reads of a model: its config's geometry and its weights' size, no weights."""
+
+    config: object  # transformers' config
+    weight_bytes: int  # the parameters in the plan's dtype
+    layer_bytes: int = 0  # the largest decoder layer's parameters, in a streaming slot (0: none streams)
+
+    @property
+    def spec(self):
+        return model_spec(self.config)
+
+    @property
+    def hidden(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def intermediate(self) -> int:
+        return getattr(self.config, "intermediate_size", None) or self.config.ffn_dim  # OPT: ffn_dim
+
+    @property
+    def vocab(self) -> int:
+        return self.config.vocab_size
+
+
+def model_of(config, dtype: torch.dtype) -> Model:
+    """``Model`` from a config: the parameters counted on the meta device (nothing allocated; tied
+    weights once)."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _COUNTS:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        layers = [[p.numel() for p in layer.parameters()] for layer in decoder_layers(model)]
+        _COUNTS[key] = sum(p.numel() for p in model.parameters()), max(layers, key=sum)
+    count, layer = _COUNTS[key]
+    return Model(config, count * dtype.itemsize, slot_bytes(n * dtype.itemsize for n in layer))
+
+
+_COUNTS: dict[str, tuple[int, list[int]]] = {}  # parameters, the largest layer's: a sweep plans a model often

@@ -28,7 +28,7 @@ from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.memory import streaming
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import offloaded_layer_indices, streamed_count
-from infinigen.runtime.selection.policies import policy_class
+from infinigen.runtime.selection.policies import policy_class, row_bits
 
 MOST_ROWS = 4096  # the largest batch searched
 # of the host memory available when the batch is chosen, what the run leaves for the rest of its process: a
@@ -140,7 +140,7 @@ def step_floor_ms(
     offloaded = len(offloaded_layer_indices(model.config, config.dense_layers, True))
     share = config.budget if policy.budgeted else 1.0
     rows = offloaded * work.batch * spec.n_kv_heads * math.ceil(share * work.tokens)
-    nbytes = rows * row_bytes(spec.head_dim, dtype, policy.codec, config.kv_bits) + weights
+    nbytes = rows * row_bytes(spec.head_dim, dtype, policy.codec, row_bits(config)) + weights
     return nbytes / (bandwidth_gb_s * 1e9) * 1e3
 
 

@@ -34,10 +34,21 @@ def supported_policy(config: RuntimeConfig, has_artifact: bool) -> type[Policy]:
         raise InfinigenError(f"policy {config.policy!r} needs an artifact: run `infinigen prepare` first")
     if config.reuse_rows == "on" and policy.codec is not None:
         raise InfinigenError(f"reuse_rows keeps decoded rows: not for {config.policy!r}, whose rows move compressed")
-    if config.kv_bits != 16 and not (policy.offloads and policy.plain_rows):
+    if config.resident_bits == 8 and row_bits(config) != 8:
+        raise InfinigenError("resident_bits 8 keeps rows as they are moved: it needs kv_bits 8")
+    if row_bits(config) != 16 and not (policy.offloads and policy.plain_rows):
         where = "keeps its KV on the device" if not policy.offloads else "stores rows in its own codes"
-        raise InfinigenError(f"kv_bits {config.kv_bits} is for policies that offload rows: {config.policy!r} {where}")
+        raise InfinigenError(f"kv_bits {row_bits(config)} is for policies that offload rows: {config.policy!r} {where}")
     return policy
+
+
+def row_bits(config: RuntimeConfig) -> int:
+    """Bits per K/V value of the rows ``config``'s policy keeps in the CPU pool and moves: ``kv_bits`` as
+    given, else 8 for policies that offload plain rows, 16 for the others."""
+    if config.kv_bits is not None:
+        return config.kv_bits
+    policy = policy_class(config.policy)
+    return 8 if policy.offloads and policy.plain_rows else 16
 
 
 def make_policy(config: RuntimeConfig) -> Policy:
@@ -66,4 +77,13 @@ def settings_grid(values: dict[str, list]) -> list[dict]:
     return rows
 
 
-__all__ = ["POLICIES", "Policy", "Selection", "make_policy", "policy_class", "settings_grid", "supported_policy"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "Selection",
+    "make_policy",
+    "policy_class",
+    "row_bits",
+    "settings_grid",
+    "supported_policy",
+]
