@@ -295,6 +295,7 @@ def test_bench_counts_a_steps_bytes_alone_and_bounds_the_step():
         )
         row = strict_json(result.stdout)["results"][0]
         assert row["h2d_mb_per_step"] == pytest.approx(2 * 2 * 128 * 258 / 1e6, abs=1e-3)
+        assert row["kv_bits"] == row["kv_bits_applied"] == 16
     bounded = _with_bound({"ms_per_step": 30.0, "h2d_mb_per_step": 500.0, "streamed_weights_mb_per_step": 500.0}, 50)
     assert bounded["step_bound_ms"] == 20.0 and bounded["step_over_bound"] == 1.5
     assert "step_bound_ms" not in _with_bound({"ms_per_step": 3.0}, 50)  # nothing crosses: no bound

@@ -71,7 +71,7 @@ def test_selection_recall_is_one_for_the_oracle_and_below_for_speculation(tokeni
     ids = torch.randint(3, 512, (2, 96), generator=torch.Generator().manual_seed(4))
     scored = dict(batch=2, recall=True, resident_extra=0.0, kv_bits=16)  # the oracle scores the rows as moved
     oracle = perplexity(model, artifact, ids, 48, **scored, policy="oracle", budget=0.25)
-    assert oracle["recall"] == 1.0 and set(oracle["recall_per_layer"]) == {2}
+    assert oracle["recall"] == 1.0 and set(oracle["recall_per_layer"]) == {2} and oracle["kv_bits_applied"] == 16
     assert oracle["resident_extra_applied"] == 0.0 and oracle["fraction_attended"] == oracle["fraction_fetched"]
     blocks = perplexity(model, artifact, ids, 48, **scored, policy="oracle", budget=0.25, block_tokens=16)
     assert blocks["recall"] == 1.0  # the true scores are read block by block from the pool

@@ -307,6 +307,8 @@ def _run_case(
             "fraction_moved": stats["fraction_moved"],
             "fraction_attended": stats["fraction_attended"],
             "resident_extra_applied": stats["resident_extra"],
+            "kv_bits_applied": stats["kv_bits"],  # the row format that ran (kv_bits: as asked)
+            "resident_bits_applied": stats["resident_bits"],
             "fraction_bytes": stats["fraction_bytes"],
             "h2d_mb_per_step": round(per_step / 1e6, 3),
             "h2d_gb_s": round(per_step / step_s / 1e9, 1),

@@ -144,7 +144,7 @@ def ppl(
     if printed_json(report, as_json):
         return
     title = f"{report['model']}: {ids.shape[0]} x {window}-token windows of {text.name}, last {window - prefix} decoded"
-    columns = {"policy": "policy", "budget": "budget", "kv bits": "kv_bits", "perplexity": "perplexity"}
+    columns = {"policy": "policy", "budget": "budget", "kv bits": "kv_bits_applied", "perplexity": "perplexity"}
     columns |= {"fraction fetched": "fraction_fetched", "fraction moved": "fraction_moved"}
     columns |= {"fraction attended": "fraction_attended"}
     columns |= {"fraction of bytes": "fraction_bytes"}
@@ -156,7 +156,7 @@ def ppl(
 
 def _setting_label(settings: dict) -> str:
     budget, kv_bits = settings.get("budget"), settings.get("kv_bits")
-    return settings["policy"] + ("" if budget is None else f" {budget:g}") + (f" {kv_bits}-bit" if kv_bits == 8 else "")
+    return settings["policy"] + ("" if budget is None else f" {budget:g}") + (f" {kv_bits}-bit" if kv_bits else "")
 
 
 @on_eval

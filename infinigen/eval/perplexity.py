@@ -72,7 +72,7 @@ def perplexity(
         for name, values in fractions.items():
             values.append(summary[name])
         evicted += summary["evicted_tokens"]
-        applied = summary["resident_extra"]
+        applied, bits = summary["resident_extra"], summary["kv_bits"]
     nll = torch.cat(nll)  # (windows, decoded)
     blocks = [float(b.mean().exp()) for b in nll.split(block, dim=1)]
     return {
@@ -80,6 +80,7 @@ def perplexity(
         "pool_fraction": pool_fraction,
         "evicted_tokens": evicted,
         "resident_extra_applied": applied,
+        "kv_bits_applied": bits,  # the row format that ran (kv_bits: as asked; None where no row is offloaded)
         "perplexity": round(math.exp(float(nll.mean())), 4),
         **{name: round(sum(values) / len(values), 4) for name, values in fractions.items()},
         "tokens_scored": nll.numel(),
