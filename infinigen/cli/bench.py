@@ -12,7 +12,7 @@ import typer
 from infinigen.bench import HF_BASELINES
 from infinigen.cli.app import command
 from infinigen.cli.options import DeviceOpt, JsonOpt, parse_list, runtime_options
-from infinigen.cli.render import print_pairs, print_rows, printed_json, progress, stream_row
+from infinigen.cli.render import note, print_pairs, print_rows, printed_json, progress, stream_row
 from infinigen.errors import InfinigenError
 
 ShapeOpt = Annotated[
@@ -175,6 +175,8 @@ def bench(
     text = None if text is None else str(text)
     subject = load_subject(shape, model, artifact, text, device, dtype, layers, streamed)
     loaded_s = time.perf_counter() - start
+    if as_json:
+        note(f"[{loaded_s:.0f} s] model ready ({subject.shape or model})")
     for region in reserved:  # pinned before anything is timed
         region.result()
     card = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
@@ -343,12 +345,15 @@ def _run(
     from infinigen.bench.runs import run_sweep
 
     splits = sum(breakdown and case.policy in ("full", "infinigen") for case in cases)
+    started = time.perf_counter()
     with progress(disable=as_json) as bar:
         running = bar.add_task("cases", total=len(cases) + splits)
         done = iter(range(len(cases) + splits))
 
         def on_case(label: str) -> None:
             bar.update(running, description=label, completed=next(done))
+            if as_json:
+                note(f"[{time.perf_counter() - started:.0f} s into the cases] {label}")
 
         rows = run_sweep(
             subject.model,

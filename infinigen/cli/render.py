@@ -41,6 +41,13 @@ def stream_row(row: dict) -> None:
         print(json.dumps(strict(row)), file=sys.stderr, flush=True)
 
 
+def note(line: str) -> None:
+    """A progress line on stderr where the bar is off (--json): plain text, which readers of the JSON rows
+    skip, so that a run cut off by a time limit still says how far it got."""
+    if rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
 def print_rows(title: str, columns: dict[str, str], rows: list[dict]) -> None:
     """A table of ``rows``: one column per header, showing that row key (blank where missing); a
     column no row has a value for is left out (on the CPU, the GPU's columns)."""
