@@ -24,6 +24,10 @@ def test_eval_ppl(prepared, tmp_path):
     assert progress == report["results"]  # each row on stderr as it finishes
     bad = invoke(*args.split(), "--prefix", "64", "--device", "cpu")
     assert bad.exit_code == 2 and "--prefix must be in" in bad.output
+    auto = invoke(*args.replace("--batch 2", "--batch 0").split(), "--budgets", "0.5", "--device", "cpu", "--json")
+    rows = json.loads(auto.stdout)["results"]  # off a GPU without a budget: every window in one batch
+    assert [r["batch"] for r in rows] == [3, 3] and [r["batch"] for r in report["results"]] == [2, 2]
+    assert [r["perplexity"] for r in rows] == pytest.approx([r["perplexity"] for r in report["results"]], rel=1e-4)
 
 
 def test_eval_output_keeps_finished_settings_and_a_rerun_runs_only_the_missing(prepared, tmp_path, monkeypatch):

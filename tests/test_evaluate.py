@@ -107,3 +107,22 @@ def test_pool_fraction_holds_the_asked_tokens_for_every_row_size(tokenizer):
         settings = {"policy": policy, "budget": 0.5} | pool_settings(model, {"policy": policy}, tokens=64, batch=2)
         cache = cache_for(model, artifact, **settings)
         assert cache.pool_limit(2, model.dtype) == 64, policy
+
+
+def test_auto_batch_is_the_most_windows_the_plan_admits(tokenizer):
+    """``eval ppl --batch 0`` off a GPU: the most rows whose plan fits the budget, at most the windows; all of
+    them without a budget; 1 where not even one fits (that row then says why)."""
+    from infinigen.eval.decoding import auto_batch, planned
+    from infinigen.runtime.memory.plan import CONTEXT_BYTES
+
+    model, _ = tiny_setup(tokenizer, "llama", "cpu")
+    settings = dict(policy="infinigen", budget=0.5, streamed_layers=0)
+    assert auto_batch(model, settings, 3, 32, 31) == 3
+
+    def least(batch: int) -> int:  # GPU bytes with everything shed (the plan's last try under a tiny budget)
+        return planned(model, settings | {"gpu_memory_gb": 0.01}, batch, 32, 31).needed_gpu
+
+    below_three = settings | {"gpu_memory_gb": (least(3) - 1 + CONTEXT_BYTES) / 1e9}
+    assert planned(model, below_three, 2, 32, 31).fits and not planned(model, below_three, 3, 32, 31).fits
+    assert auto_batch(model, below_three, 3, 32, 31) == 2
+    assert auto_batch(model, settings | {"gpu_memory_gb": 0.5}, 3, 32, 31) == 1  # the weights alone do not fit

@@ -70,7 +70,13 @@ def ppl(
         int | None, typer.Option(help="Dense prefill part of each window; the rest is decoded. Default: half.")
     ] = None,
     windows: Annotated[int, typer.Option(help="Number of windows (from the start of the text).")] = 4,
-    batch: Annotated[int, typer.Option(help="Windows decoded together.")] = 4,
+    batch: Annotated[
+        int,
+        typer.Option(
+            help="Windows decoded together; 0: for each setting, as many as its memory plan admits (at most "
+            "--windows), on a GPU the batch of the most tokens a second (throughput mode)."
+        ),
+    ] = 4,
     cpu_pool_fraction: Annotated[
         float | None, typer.Option(help="Limit the CPU pool to this share of a window's tokens (evicts).")
     ] = None,
@@ -87,7 +93,7 @@ def ppl(
     Example:\n
       infinigen eval ppl --artifact skewed/ --text ../shared/data/wikitext-2/wiki.test.raw --windows 4
     """
-    from infinigen.eval.decoding import PREFILL_CHUNK, read_text
+    from infinigen.eval.decoding import PREFILL_CHUNK, auto_batch, read_text
     from infinigen.eval.decoding import windows as split_windows
     from infinigen.eval.journal import Journal
     from infinigen.eval.perplexity import perplexity
@@ -95,8 +101,11 @@ def ppl(
     from infinigen.runtime.selection.policies import settings_grid
 
     prefix = window // 2 if prefix is None else prefix
-    if not 0 < prefix < window or windows < 1 or batch < 1:
-        raise InfinigenError(f"--prefix must be in (0, --window), --windows and --batch >= 1, got {prefix}, {window}")
+    if not 0 < prefix < window or windows < 1 or batch < 0:
+        raise InfinigenError(
+            f"--prefix must be in (0, --window), --windows >= 1 and --batch >= 0, got {prefix}, {window}, "
+            f"{windows}, {batch}"
+        )
     if cpu_pool_fraction is not None and not 0 < cpu_pool_fraction <= 1:
         raise InfinigenError(f"--cpu-pool-fraction must be in (0, 1], got {cpu_pool_fraction}")
     if cpu_pool_fraction is not None and runtime["cpu_pool_gb"] != [None]:
@@ -106,13 +115,15 @@ def ppl(
     journal = Journal(
         output, run | dict(windows=windows, batch=batch, dtype=dtype, recall=recall, pool=cpu_pool_fraction)
     )
-    work = Workload(min(batch, windows), prefix, window - 1 - prefix, PREFILL_CHUNK)
+    # --batch 0 loads with the layers one window streams: its batch is then chosen at that count
+    work = Workload(min(batch or 1, windows), prefix, window - 1 - prefix, PREFILL_CHUNK)
     loaded, checked, added = _load(model, artifact, device, dtype, rows_settings, lambda tokenizer: work)
     ids = split_windows(loaded.tokenizer, read_text(text), window, windows)
-    steps = math.ceil(ids.shape[0] / batch) * (window - prefix)
     rows = []
     with progress(disable=as_json) as bar:
         for settings in rows_settings:
+            rows_batch = batch or auto_batch(loaded.model, settings | added, ids.shape[0], prefix, window - 1 - prefix)
+            steps = math.ceil(ids.shape[0] / rows_batch) * (window - prefix)
             task = bar.add_task(_setting_label(settings), total=steps)
             row = journal.done(settings)
             if row is None:
@@ -121,7 +132,7 @@ def ppl(
                     checked,
                     ids,
                     prefix,
-                    batch=batch,
+                    batch=rows_batch,
                     pool_fraction=cpu_pool_fraction,
                     recall=recall,
                     on_step=functools.partial(bar.advance, task),

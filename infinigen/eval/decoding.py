@@ -188,6 +188,27 @@ def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, 
     return torch.cat(tokens, dim=1)
 
 
+def auto_batch(model: PreTrainedModel, settings: dict, most: int, prefix: int, new_tokens: int) -> int:
+    """The rows to decode together with ``settings`` (``--batch 0``), at most ``most``: on a GPU under a budget,
+    throughput mode's (the most estimated tokens a second, ``memory.throughput``) at the layers the model streams
+    as loaded; elsewhere the most the memory plan (GPU and host) admits; 1 where none fits (its row says why)."""
+    from infinigen.runtime.memory.throughput import best_batch, measured_rates
+
+    param = next(model.parameters())
+    config = config_from(settings)
+    budget = memory.budget_bytes(config.gpu_memory_gb, param.device)
+    rates = measured_rates(param.device, param.dtype) if budget is not None else None
+    if rates is not None:
+        subject, work = memory.loaded_model(model), memory.Workload(1, prefix, new_tokens, PREFILL_CHUNK)
+        best, _ = best_batch(subject, param.dtype, work, config, budget, rates, most)
+        return 1 if best is None else best.batch
+
+    def admitted(batch: int) -> bool:
+        return memory.why_not(planned(model, settings, batch, prefix, new_tokens)) is None
+
+    return max(1, memory.largest(admitted, 1, most))
+
+
 def planned(
     model: PreTrainedModel, settings: dict, batch: int, prefix: int, new_tokens: int, chunk: int | None = PREFILL_CHUNK
 ) -> memory.MemoryPlan:

@@ -78,6 +78,7 @@ def perplexity(
     return {
         **settings,
         "pool_fraction": pool_fraction,
+        "batch": batch,  # windows decoded together
         "evicted_tokens": evicted,
         "resident_extra_applied": applied,
         "kv_bits_applied": bits,  # the row format that ran (kv_bits: as asked; None where no row is offloaded)
