@@ -294,6 +294,8 @@ def test_pool_too_small_for_prompt(tokenizer):
         ({"reuse_rows": "maybe"}, "reuse_rows must be one of auto, on, off"),
         ({"kv_bits": 8, "policy": "int2"}, "^kv_bits 8 is for policies that offload rows: 'int2' stores rows in its"),
         ({"kv_bits": 8, "policy": "dense"}, "^kv_bits 8 is for policies that offload rows: 'dense' keeps its KV on"),
+        ({"kv_bits": 16, "resident_bits": 8}, "^resident_bits 8 keeps rows as they are moved: it needs kv_bits 8"),
+        ({"resident_bits": 4}, "resident_bits must be one of 16, 8"),
     ],
 )
 def test_bad_settings(tokenizer, settings, message):
