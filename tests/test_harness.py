@@ -191,3 +191,13 @@ def test_the_harness_entry_point_without_lm_eval_is_one_line():
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: lm-eval is not installed: pip install 'infinigen[lm-eval]'"
     ]
+
+
+def test_load_checks_the_policy_against_its_artifact_at_once(prepared):
+    """``HarnessModel.load`` (lm-eval's entry) opens a cache once: a policy without the artifact it needs is
+    refused before any request, in one line."""
+    folder, out = prepared("llama")
+    loaded = HarnessModel.load(str(folder), str(out), device="cpu", policy="infinigen", budget="0.5")
+    assert loaded.settings["policy"] == "infinigen" and loaded.settings["budget"] == 0.5
+    with pytest.raises(InfinigenError, match="needs an artifact"):
+        HarnessModel.load(str(folder), None, device="cpu", policy="infinigen")

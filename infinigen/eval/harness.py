@@ -96,7 +96,7 @@ class HarnessModel:
         settings = runtime_settings(runtime)
         model, tokenizer = load(pretrained, artifact=artifact, device=device, dtype=None if dtype == "auto" else dtype)
         harness = cls(model, tokenizer, None, settings, batch_size_of(batch_size), max_length)
-        harness.cache().close()  # a policy without its artifact fails now, not at the first request
+        cache_for(model, None, **settings).close()  # a policy without its artifact fails now, not at the first request
         return harness
 
     def __post_init__(self) -> None:
