@@ -165,8 +165,8 @@ class RuntimeConfig:
         applies_to=("budgeted",),
     )
     # Kept 16-bit, the rows fetched as 8-bit codes are dequantised once, as they arrive; kept 8-bit, every
-    # resident row is dequantised at every step for attention (+2 ms a step at 8 x 16K on an H200, BENCHMARKS.md
-    # "8-bit rows"), for half the GPU memory: where that lets more rows of earlier steps stay, fewer move.
+    # resident row is dequantised at every step for attention (1.45x dense against 1.26x at 8 x 16K on an H200,
+    # BENCHMARKS.md "Targets"), for half the GPU memory: where that lets more rows of earlier steps stay, fewer move.
     resident_bits: KVBits | None = option(
         None,
         "With --kv-bits 8 and row reuse: bits of the rows kept on the GPU: 16 (dequantised as they arrive: the "
