@@ -260,6 +260,26 @@ def test_bench_builds_a_random_shape_with_its_streamed_layers_in_host_memory():
     assert [row["streamed_layers"] for row in rows if row["policy"] != "hf-dynamic"] == [2, 2, 2]
 
 
+def test_a_bench_sweep_streams_weights_only_for_what_its_offloading_cases_need():
+    """The 8B shape (16.06 GB of weights): on 24 GB the sweep loads every weight on the GPU, dense alone
+    too (a case whose plan streams moves its own layers out); on 12 GB the weights stream, as many layers
+    as ``infinigen`` needs at 1 x 32K, fewer than ``dense`` alone would make every case stream."""
+    from infinigen.bench.runs import bench_cases
+    from infinigen.bench.shapes import shape_config
+    from infinigen.cli.bench import _streamed
+
+    config = shape_config("llama-3-8b")
+    settings = [{"policy": "dense"}, {"policy": "infinigen"}, {"policy": "hf-offloaded"}]
+    on_24 = bench_cases(settings, [8], [16384], 8)
+    assert _streamed(config, "bfloat16", "cpu", 24 * 10**9, on_24, {}) is None
+    assert _streamed(config, "bfloat16", "cpu", 24 * 10**9, on_24[:1], {}) is None
+    on_12 = bench_cases(settings, [1], [32768], 8)
+    both = _streamed(config, "bfloat16", "cpu", 12 * 10**9, on_12, {})
+    offloading = _streamed(config, "bfloat16", "cpu", 12 * 10**9, on_12[1:], {})
+    dense = _streamed(config, "bfloat16", "cpu", 12 * 10**9, on_12[:1], {})
+    assert both.streamed_layers == offloading.streamed_layers < dense.streamed_layers < config.num_hidden_layers
+
+
 @pytest.mark.parametrize("layers, count", [(32, 17), (80, 43), (48, 23), (4, 2), (3, 3), (5, 9), (6, 0)])
 def test_streamed_layers_spread_through_the_stack(layers, count):
     """The layers a plan streams: exactly as many as asked (at most all), the last among them, no two runs of

@@ -322,20 +322,28 @@ def _occupied(gpu_memory_gb: float | None, device: str):
 
 def _streamed(subject_config, dtype: str, device: str, budget, cases: list, planned: dict):
     """The settings whose decoder layers stay in host memory for the whole sweep, or None: as asked
-    (--streamed-layers), else the most any case of ours streams under the budget (none where every case
-    fits with the weights on the GPU; an auto batch's: the throughput plan's, ``planned`` by (batch,
-    context)). Refuses, before anything is built, weights that fit no way."""
+    (--streamed-layers, or an auto batch's throughput plan: ``planned`` by (batch, context)); else none
+    where the weights fit the budget (as ``eval`` loads: a case whose plan streams moves its own layers
+    out, and back after it); else the most any case of ours streams under the budget. Cases of policies
+    that offload the KV cache decide where there are any: ``dense`` (the GPU-resident ideal) runs beside
+    them with the weights as they place them, never making theirs stream. Refuses, before anything is
+    built, weights that fit no way."""
     from infinigen.models import parse_dtype
+    from infinigen.runtime import POLICIES
     from infinigen.runtime.memory import plan as memory
     from infinigen.runtime.memory import streaming
 
     torch_dtype = parse_dtype(dtype, device)
+    subject = memory.model_of(subject_config, torch_dtype)
+    ours = [case for case in cases if case.ours]
     runs = []
-    for case in (case for case in cases if case.ours):
+    for case in [case for case in ours if POLICIES[case.policy].offloads] or ours:
         work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
         fixed = planned.get((case.batch, case.prompt_len))
         runs.append((work, case.config if fixed is None else replace(case.config, streamed_layers=fixed)))
-    return streaming.streamed_for(memory.model_of(subject_config, torch_dtype), torch_dtype, runs, budget)
+    if all(config.streamed_layers is None for _, config in runs) and (budget is None or subject.weight_bytes < budget):
+        return None
+    return streaming.streamed_for(subject, torch_dtype, runs, budget)
 
 
 def _run(
