@@ -155,6 +155,11 @@ def test_eval_needle(prepared, tmp_path, monkeypatch):
     assert more.exit_code == 0 and json.loads(more.stdout)["texts"] == [str(text), str(other)]
     table = " ".join(invoke(*args.split(), "--lengths", "96", "--depths", "0.5", "--policies", "full").stdout.split())
     assert "needle in" in table and "fraction fetched" in table  # words only: a long title wraps
+    batched = invoke(*args.split(), *asked[:-1], "--policies", "infinigen", "--batch", "0", "--json")
+    (row,) = json.loads(batched.stdout)["results"]  # every prompt of a length at once: as one at a time
+    assert batched.exit_code == 0 and row["batch"] == 4 and row["cells"] == report["results"][1]["cells"]
+    negative = invoke(*args.split(), "--batch", "-1")
+    assert negative.exit_code == 2 and "--batch >= 0" in negative.output
     too_long = invoke(*args.split(), "--lengths", "600")
     assert too_long.exit_code == 2 and "exceeds the model's context of 512" in too_long.output
     bad = invoke(*args.split(), "--depths", "half")

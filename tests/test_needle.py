@@ -117,3 +117,19 @@ def test_needle_accuracy_report(tokenizer):
     json.dumps(report)
     with pytest.raises(InfinigenError, match="does not fit: 1 x .* the weights alone do not fit"):
         needle_accuracy(model, tokenizer, artifact, prompts, policy="infinigen", gpu_memory_gb=0.5)
+
+
+def test_prompts_of_one_length_answered_together_answer_as_one_at_a_time(tokenizer):
+    """--batch: prompts of one length go through one cache together (no padding); each answer is the one it
+    gets alone, in the same order; 0 takes as many as the plan admits, here every prompt of a length."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    prompts = needle_prompts(tokenizer, [bundled_text()], [96, 128], [0.0, 0.5, 1.0], trials=2)
+    settings = {"policy": "infinigen", "budget": 0.25}
+    alone = needle_accuracy(model, tokenizer, artifact, prompts, **settings)
+    for batch, rows in ((4, 4), (0, 6)):
+        together = needle_accuracy(model, tokenizer, artifact, prompts, batch=batch, **settings)
+        assert together["batch"] == rows and alone["batch"] == 1
+        keys = ("length", "depth", "trial", "code", "output", "correct")
+        assert [[a[k] for k in keys] for a in together["answers"]] == [[a[k] for k in keys] for a in alone["answers"]]
+    with pytest.raises(InfinigenError, match="batch must be >= 0"):
+        needle_accuracy(model, tokenizer, artifact, prompts, batch=-1, **settings)

@@ -72,8 +72,13 @@ def test_examples_scored_together_score_as_alone(tokenizer):
         assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(group, single, strict=True)), (group, single)
     one = task_accuracy(model, tokenizer, artifact, examples, shots=1, limit=3, seed=0, batch=1, **settings)
     grouped = task_accuracy(model, tokenizer, artifact, examples, shots=1, limit=3, seed=0, batch=2, **settings)
+    planned = task_accuracy(model, tokenizer, artifact, examples, shots=1, limit=3, seed=0, batch=0, **settings)
     assert one.pop("memory_plan") != grouped.pop("memory_plan")  # one example's choices a batch, or two's
-    assert one == grouped
+    planned.pop("memory_plan")
+    batches = [one.pop("batch"), grouped.pop("batch"), planned.pop("batch")]
+    assert batches == [1, 2, 3] and one == grouped == planned  # 0: as many as the plan admits, all three
+    with pytest.raises(InfinigenError, match="batch must be >= 0"):
+        task_accuracy(model, tokenizer, artifact, examples, shots=1, limit=3, seed=0, batch=-1, **settings)
 
 
 def test_task_scoring_runs_as_the_memory_plan_says(tokenizer):

@@ -187,7 +187,11 @@ def tasks(
     limit: Annotated[int, typer.Option(help="Examples per task (the first of its validation split).")] = 100,
     seed: Annotated[int, typer.Option(help="Seed of the demonstrations' draw.")] = 0,
     batch: Annotated[
-        int, typer.Option(help="Examples scored together, their choices one batch through one cache.")
+        int,
+        typer.Option(
+            help="Examples scored together, their choices one batch through one cache; 0: as many as the memory "
+            "plan admits, on a GPU the batch of the most tokens a second (throughput mode)."
+        ),
     ] = 8,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
@@ -216,8 +220,8 @@ def tasks(
     )
     from infinigen.runtime.selection.policies import settings_grid
 
-    if shots < 0 or limit < 1 or batch < 1:
-        raise InfinigenError(f"--shots must be >= 0, --limit and --batch >= 1, got {shots}, {limit}, {batch}")
+    if shots < 0 or limit < 1 or batch < 0:
+        raise InfinigenError(f"--shots and --batch must be >= 0, --limit >= 1, got {shots}, {batch}, {limit}")
     if data:
         examples = {path.stem: jsonl_examples(path) for path in data}
     else:
@@ -227,8 +231,8 @@ def tasks(
     run = dict(eval="tasks", model=model, artifact=artifact, dtype=dtype, tasks=tasks_run, shots=shots, limit=limit)
     journal = Journal(output, run | dict(seed=seed, batch=batch))
 
-    def largest(tokenizer):  # the largest group of any task
-        return largest_workload(tokenizer, examples.values(), shots=shots, limit=limit, seed=seed, batch=batch)
+    def largest(tokenizer):  # the largest group of any task (--batch 0: of one example, as ppl loads)
+        return largest_workload(tokenizer, examples.values(), shots=shots, limit=limit, seed=seed, batch=batch or 1)
 
     scored = [{"block_tokens": SHORT_BLOCK_TOKENS} | settings for settings in all_settings]
     loaded, checked, added = _load(model, artifact, device, dtype, scored, largest)
@@ -345,6 +349,13 @@ def needle(
         str, typer.Option(help="Comma-separated needle depths: 0 at the start, 1 at the end.")
     ] = "0,0.25,0.5,0.75,1",
     trials: Annotated[int, typer.Option(help="Prompts per length and depth, each from the next passage.")] = 1,
+    batch: Annotated[
+        int,
+        typer.Option(
+            help="Prompts of one length answered together through one cache; 0: as many as the memory plan admits, "
+            "on a GPU the batch of the most tokens a second (throughput mode)."
+        ),
+    ] = 1,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     as_json: JsonOpt = False,
@@ -354,7 +365,7 @@ def needle(
 
     Examples:\n
       infinigen eval needle --artifact skewed/ --text ../shared/data/pg19/10146.txt --lengths 2048 --depths 0,0.5,1\n
-      infinigen eval needle --artifact skewed/ --text book1.txt --text book2.txt --lengths 8000 --trials 20
+      infinigen eval needle --artifact skewed/ --text book1.txt --text book2.txt --lengths 8000 --trials 20 --batch 0
     """
     from infinigen.eval.decoding import PREFILL_CHUNK, read_text
     from infinigen.eval.journal import Journal
@@ -363,12 +374,13 @@ def needle(
     from infinigen.runtime.selection.policies import settings_grid
 
     token_lengths, depth_fractions = parse_list(lengths, "--lengths", int), parse_list(depths, "--depths")
-    if trials < 1:
-        raise InfinigenError(f"--trials must be >= 1, got {trials}")
+    if trials < 1 or batch < 0:
+        raise InfinigenError(f"--trials must be >= 1 and --batch >= 0, got {trials}, {batch}")
     all_settings = settings_grid(runtime)
     run = dict(eval="needle", model=model, artifact=artifact, dtype=dtype, texts=[str(path) for path in text])
-    journal = Journal(output, run | dict(lengths=token_lengths, depths=depth_fractions, trials=trials))
-    work = Workload(1, max(token_lengths), ANSWER_TOKENS, PREFILL_CHUNK)
+    journal = Journal(output, run | dict(lengths=token_lengths, depths=depth_fractions, trials=trials, batch=batch))
+    # --batch 0 loads with the layers one prompt streams: its batch is then chosen at that count
+    work = Workload(batch or 1, max(token_lengths), ANSWER_TOKENS, PREFILL_CHUNK)
     loaded, checked, added = _load(model, artifact, device, dtype, all_settings, lambda tokenizer: work)
     context = loaded.model.config.max_position_embeddings
     if max(token_lengths) + ANSWER_TOKENS > context:
@@ -391,11 +403,12 @@ def needle(
                     stream_row({**settings, **answered})
 
             answered = needle_accuracy(
-                loaded.model, loaded.tokenizer, checked, prompts, on_answer=on_answer, **settings | added
+                loaded.model, loaded.tokenizer, checked, prompts, batch=batch, on_answer=on_answer, **settings | added
             )
             rows.append(answered)
             journal.add(settings, rows[-1])
-    report = {"model": loaded.source.model_id, "texts": [str(path) for path in text], "trials": trials, "results": rows}
+    report = {"model": loaded.source.model_id, "texts": [str(path) for path in text], "trials": trials}
+    report |= {"batch": batch, "results": rows}
     if printed_json(report, as_json):
         return
     flat = [

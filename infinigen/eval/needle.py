@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.eval.decoding import greedy_after, planned
+from infinigen.eval.decoding import auto_batch, greedy_after, planned
 from infinigen.runtime import cache_for
 from infinigen.runtime.memory import plan as memory
 
@@ -99,27 +99,34 @@ def needle_prompts(
     return prompts
 
 
-def answer(
+def answers(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     artifact: Artifact | None,
-    prompt: NeedlePrompt,
+    prompts: list[NeedlePrompt],
     settings: dict,
-) -> dict:
-    """One prompt through a fresh cache: the greedy answer, whether it holds the code, the fraction fetched."""
+) -> list[dict]:
+    """Prompts of one length (no padding) through one fresh cache, a row each: the greedy answer, whether it
+    holds the code, the share of the cached tokens a step fetched (the batch's)."""
+    if len({len(prompt.ids) for prompt in prompts}) != 1:
+        raise ValueError("prompts answered together must have one length")
     cache = cache_for(model, artifact, **settings)
-    ids = torch.tensor([prompt.ids], device=model.device)
-    output = tokenizer.decode(greedy_after(model, cache, ids, prompt.question_start, ANSWER_TOKENS)[0])
-    return {
-        "length": prompt.length,
-        "depth": prompt.depth,
-        "trial": prompt.trial,
-        "needle_start": prompt.needle_start,
-        "code": prompt.code,
-        "output": output,
-        "correct": prompt.code in output,
-        "fraction_fetched": cache.summary()["fraction_fetched"],
-    }
+    ids = torch.tensor([prompt.ids for prompt in prompts], device=model.device)
+    outputs = tokenizer.batch_decode(greedy_after(model, cache, ids, prompts[0].question_start, ANSWER_TOKENS))
+    fetched = cache.summary()["fraction_fetched"]
+    return [
+        {
+            "length": prompt.length,
+            "depth": prompt.depth,
+            "trial": prompt.trial,
+            "needle_start": prompt.needle_start,
+            "code": prompt.code,
+            "output": output,
+            "correct": prompt.code in output,
+            "fraction_fetched": fetched,
+        }
+        for prompt, output in zip(prompts, outputs, strict=True)
+    ]
 
 
 def needle_accuracy(
@@ -128,31 +135,43 @@ def needle_accuracy(
     artifact: Artifact | None,
     prompts: list[NeedlePrompt],
     *,
+    batch: int = 1,
     on_answer: Callable[[dict], None] = lambda answered: None,
     **settings,
 ) -> dict:
-    """Accuracy per (length, depth) cell and overall; ``settings`` are ``RuntimeConfig`` fields.
-    ``on_answer`` gets each prompt's answer as it comes."""
+    """Accuracy per (length, depth) cell and overall; ``settings`` are ``RuntimeConfig`` fields. Prompts of
+    one length are answered ``batch`` at a time through one cache (0: as many as ``auto_batch`` says for the
+    longest). ``on_answer`` gets each prompt's answer as it comes."""
+    if batch < 0:
+        raise InfinigenError(f"batch must be >= 0, got {batch}")
     longest = max(prompts, key=lambda prompt: len(prompt.ids))
     fed = len(longest.ids) - longest.question_start  # the question, one token a step, then the answer
-    found = planned(model, settings, 1, longest.question_start, fed + ANSWER_TOKENS)
+    by_length: dict[int, list[NeedlePrompt]] = {}
+    for prompt in prompts:
+        by_length.setdefault(len(prompt.ids), []).append(prompt)
+    most = max(len(group) for group in by_length.values())
+    rows = batch or auto_batch(model, settings, most, longest.question_start, fed + ANSWER_TOKENS)
+    found = planned(model, settings, rows, longest.question_start, fed + ANSWER_TOKENS)
     if why := memory.why_not(found):
         raise InfinigenError(why)
-    answers = []
-    for prompt in prompts:  # every prompt with the settings the longest one's plan leaves
-        answers.append(answer(model, tokenizer, artifact, prompt, memory.cache_settings(found)))
-        on_answer(answers[-1])
+    answered = []
+    for group in by_length.values():  # every batch with the settings the longest one's plan leaves
+        for start in range(0, len(group), rows):
+            for row in answers(model, tokenizer, artifact, group[start : start + rows], memory.cache_settings(found)):
+                answered.append(row)
+                on_answer(row)
     cells: dict[tuple[int, float], list[bool]] = {}
-    for a in answers:
+    for a in answered:
         cells.setdefault((a["length"], a["depth"]), []).append(a["correct"])
     return {
         **settings,
+        "batch": rows,
         "memory_plan": memory.summary(found),
-        "accuracy": round(sum(a["correct"] for a in answers) / len(answers), 4),
-        "fraction_fetched": round(sum(a["fraction_fetched"] for a in answers) / len(answers), 4),
+        "accuracy": round(sum(a["correct"] for a in answered) / len(answered), 4),
+        "fraction_fetched": round(sum(a["fraction_fetched"] for a in answered) / len(answered), 4),
         "cells": [
             {"length": length, "depth": depth, "accuracy": round(sum(hits) / len(hits), 4), "trials": len(hits)}
             for (length, depth), hits in cells.items()
         ],
-        "answers": answers,
+        "answers": answered,
     }

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
-from infinigen.eval.decoding import PREFILL_CHUNK, continuation_logprobs, scoring_layout, scoring_plan
+from infinigen.eval.decoding import PREFILL_CHUNK, auto_batch, continuation_logprobs, scoring_layout, scoring_plan
 from infinigen.runtime import cache_for
 from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.text import pad_token_id
@@ -227,6 +227,17 @@ def largest_workload(
     return memory.Workload(rows, prefix, scored, PREFILL_CHUNK)
 
 
+def examples_per_batch(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: list[Example], settings: dict
+) -> int:
+    """The examples to score together (``--batch 0``): ``auto_batch``'s rows for the longest context and
+    continuation of any, over the most choices of any example; at least 1."""
+    first, _, width = scoring_layout(choice_pairs(tokenizer, examples))
+    choices = max(len(example.choices) for example in examples)
+    scored = {"block_tokens": SHORT_BLOCK_TOKENS} | settings
+    return max(1, auto_batch(model, scored, len(examples) * choices, first, width - 1 - first) // choices)
+
+
 def _argmax(values: list[float]) -> int:
     return max(range(len(values)), key=values.__getitem__)
 
@@ -246,17 +257,20 @@ def task_accuracy(
 ) -> dict:
     """acc (highest log-likelihood) and acc_norm (highest log-likelihood per character of the choice)
     over the first ``limit`` examples, each with ``shots`` demonstrations, ``batch`` examples scored
-    per cache; ``settings`` are ``RuntimeConfig`` fields. ``advance(n)`` is called after each group of
-    n examples. ``fraction_fetched`` and ``fraction_bytes`` (16-bit equivalent) are means over
-    groups. ``hits``: one character per example, 1 where acc counted it correct, so that two
+    per cache (0: ``examples_per_batch``); ``settings`` are ``RuntimeConfig`` fields. ``advance(n)`` is
+    called after each group of n examples. ``fraction_fetched`` and ``fraction_bytes`` (16-bit equivalent)
+    are means over groups. ``hits``: one character per example, 1 where acc counted it correct, so that two
     policies can be compared example by example (paired differences are far less noisy than
     differences of accuracies)."""
-    if batch < 1:
-        raise InfinigenError(f"batch must be >= 1, got {batch}")
+    if batch < 0:
+        raise InfinigenError(f"batch must be >= 0, got {batch}")
     hits, correct_norm = [], 0
     fractions: list[dict[str, float]] = []
     largest = None  # the plan of the group that needs the most GPU memory
     count = min(limit, len(examples))
+    if batch == 0:
+        shot = [with_shots(examples, index, shots, seed) for index in range(count)]
+        batch = examples_per_batch(model, tokenizer, shot, settings)
     for start in range(0, count, batch):
         group = [with_shots(examples, index, shots, seed) for index in range(start, min(start + batch, count))]
         group_scores, fetched, found = choice_logprobs(model, tokenizer, artifact, group, settings)
@@ -271,6 +285,7 @@ def task_accuracy(
         "acc": round(hits.count("1") / count, 4),
         "acc_norm": round(correct_norm / count, 4),
         "examples": count,
+        "batch": batch,  # examples scored together
         **{key: round(sum(f[key] for f in fractions) / len(fractions), 4) for key in FRACTIONS},
         "hits": "".join(hits),
         "memory_plan": memory.summary(largest),
