@@ -239,9 +239,9 @@ def test_a_batch_job_loads_with_its_streamed_layers_in_host_memory(prepared, tmp
 
 
 def test_bench_builds_a_random_shape_with_its_streamed_layers_in_host_memory():
-    """``bench --shape S --streamed-layers N``: the random model is made with N layers spread through it in host
-    memory (never whole on the device), every case of ours plans and runs with them, transformers' caches
-    run over the same streamed model; the streamed model's buffers are a usual build's."""
+    """A random model made with N layers spread through it in host memory (what ``bench`` builds where the
+    weights exceed the GPU budget: never whole on the device) has a usual build's buffers; ``bench
+    --streamed-layers 2,0`` runs each case of ours with the count it asks."""
     from infinigen.bench.shapes import random_model
 
     settings = RuntimeConfig(policy="full", streamed_layers=2)
@@ -252,12 +252,13 @@ def test_bench_builds_a_random_shape_with_its_streamed_layers_in_host_memory():
     streamed_weights(model).close()
     args = ("bench", "--shape", "tiny-llama", "--sizes", "2x64", "--policy", "dense,full,infinigen,hf-dynamic")
     result = invoke(
-        *args, "--gen-len", "3", "--device", "cpu", "--dtype", "float32", "--streamed-layers", "2", "--json"
+        *args, "--gen-len", "3", "--device", "cpu", "--dtype", "float32", "--streamed-layers", "2,0", "--json"
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["results"]
     assert all(row.get("error") is None and row["ms_per_step"] > 0 for row in rows)
-    assert [row["streamed_layers"] for row in rows if row["policy"] != "hf-dynamic"] == [2, 2, 2]
+    # weights within the budget: each case streams what it asks, its layers moved out for its run alone
+    assert [row["streamed_layers"] for row in rows if row["policy"] != "hf-dynamic"] == [2, 0, 2, 0, 2, 0]
 
 
 def test_a_bench_sweep_streams_weights_only_for_what_its_offloading_cases_need():
@@ -271,13 +272,17 @@ def test_a_bench_sweep_streams_weights_only_for_what_its_offloading_cases_need()
     config = shape_config("llama-3-8b")
     settings = [{"policy": "dense"}, {"policy": "infinigen"}, {"policy": "hf-offloaded"}]
     on_24 = bench_cases(settings, [8], [16384], 8)
-    assert _streamed(config, "bfloat16", "cpu", 24 * 10**9, on_24, {}) is None
-    assert _streamed(config, "bfloat16", "cpu", 24 * 10**9, on_24[:1], {}) is None
+    assert _streamed(config, "bfloat16", "cpu", 24 * 10**9, on_24) is None
+    assert _streamed(config, "bfloat16", "cpu", 24 * 10**9, on_24[:1]) is None
     on_12 = bench_cases(settings, [1], [32768], 8)
-    both = _streamed(config, "bfloat16", "cpu", 12 * 10**9, on_12, {})
-    offloading = _streamed(config, "bfloat16", "cpu", 12 * 10**9, on_12[1:], {})
-    dense = _streamed(config, "bfloat16", "cpu", 12 * 10**9, on_12[:1], {})
+    both = _streamed(config, "bfloat16", "cpu", 12 * 10**9, on_12)
+    offloading = _streamed(config, "bfloat16", "cpu", 12 * 10**9, on_12[1:])
+    dense = _streamed(config, "bfloat16", "cpu", 12 * 10**9, on_12[:1])
     assert both.streamed_layers == offloading.streamed_layers < dense.streamed_layers < config.num_hidden_layers
+    asked = bench_cases([{"policy": "infinigen", "streamed_layers": count} for count in (10, 20)], [1], [32768], 8)
+    assert _streamed(config, "bfloat16", "cpu", 24 * 10**9, asked) is None  # each case streams its own
+    with pytest.raises(InfinigenError, match=r"one count where the weights \(16.06 GB\) exceed .* got \[10, 20\]"):
+        _streamed(config, "bfloat16", "cpu", 12 * 10**9, asked)
 
 
 @pytest.mark.parametrize("layers, count", [(32, 17), (80, 43), (48, 23), (4, 2), (3, 3), (5, 9), (6, 0)])

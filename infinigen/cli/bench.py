@@ -169,7 +169,13 @@ def bench(
         for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios, prefill_chunk=chunk)
     ]
     planned = {(e["batch"], e["context"]): e["streamed_layers"] for e in throughput}  # the auto batches' counts
-    streamed = _streamed(subject_config, dtype, device, budget, cases, planned)
+    cases = [
+        replace(c, runtime=c.runtime | {"streamed_layers": planned[(c.batch, c.prompt_len)]})
+        if c.ours and c.config.streamed_layers is None and (c.batch, c.prompt_len) in planned
+        else c
+        for c in cases
+    ]
+    streamed = _streamed(subject_config, dtype, device, budget, cases)
     if streamed is not None:  # every case of ours runs with them: its plan counts them
         cases = [replace(c, runtime=c.runtime | {"streamed_layers": streamed.streamed_layers}) for c in cases]
     text = None if text is None else str(text)
@@ -320,14 +326,14 @@ def _occupied(gpu_memory_gb: float | None, device: str):
     return Occupier(gpu_memory_gb, device)
 
 
-def _streamed(subject_config, dtype: str, device: str, budget, cases: list, planned: dict):
-    """The settings whose decoder layers stay in host memory for the whole sweep, or None: as asked
-    (--streamed-layers, or an auto batch's throughput plan: ``planned`` by (batch, context)); else none
-    where the weights fit the budget (as ``eval`` loads: a case whose plan streams moves its own layers
-    out, and back after it); else the most any case of ours streams under the budget. Cases of policies
-    that offload the KV cache decide where there are any: ``dense`` (the GPU-resident ideal) runs beside
-    them with the weights as they place them, never making theirs stream. Refuses, before anything is
-    built, weights that fit no way."""
+def _streamed(subject_config, dtype: str, device: str, budget, cases: list):
+    """The settings whose decoder layers stay in host memory for the whole sweep, or None. None where the
+    weights fit the budget (as ``eval`` loads): each case streams what it asks or its plan says, its layers
+    moved out for its run and back after it. Else the model loads once with the most any case of ours streams
+    under the budget (as asked: one count, or each case's plan), and every case runs with them. Cases of
+    policies that offload the KV cache decide where there are any: ``dense`` (the GPU-resident ideal) runs
+    beside them with the weights as they place them, never making theirs stream. Refuses, before anything is
+    built, weights that fit no way, and several asked counts the one load cannot give."""
     from infinigen.models import parse_dtype
     from infinigen.runtime import POLICIES
     from infinigen.runtime.memory import plan as memory
@@ -336,13 +342,18 @@ def _streamed(subject_config, dtype: str, device: str, budget, cases: list, plan
     torch_dtype = parse_dtype(dtype, device)
     subject = memory.model_of(subject_config, torch_dtype)
     ours = [case for case in cases if case.ours]
+    if budget is None or subject.weight_bytes < budget:
+        return None
+    asked = sorted({case.config.streamed_layers for case in ours} - {None})
+    if len(asked) > 1:
+        raise InfinigenError(
+            f"--streamed-layers takes one count where the weights ({memory.gb(subject.weight_bytes)} GB) exceed the "
+            f"GPU budget ({memory.gb(budget)} GB): the model loads once, those layers in host memory; got {asked}"
+        )
     runs = []
     for case in [case for case in ours if POLICIES[case.policy].offloads] or ours:
         work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
-        fixed = planned.get((case.batch, case.prompt_len))
-        runs.append((work, case.config if fixed is None else replace(case.config, streamed_layers=fixed)))
-    if all(config.streamed_layers is None for _, config in runs) and (budget is None or subject.weight_bytes < budget):
-        return None
+        runs.append((work, case.config))
     return streaming.streamed_for(subject, torch_dtype, runs, budget)
 
 
