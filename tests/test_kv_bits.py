@@ -174,6 +174,15 @@ for where in (None, destination.to(torch.int32)):
         kernel, reference = out[0, ..., :width, :], out[1, ..., :width, :]
         assert bool(((kernel - reference).abs() <= ulp * reference.abs()).all()), dtype
         assert bool(out[0, ..., width, :].isnan().all()), "dequantise wrote past its slice"
+# a prefill's block of earlier rows as the pool's blocks hold them, (B, H, n, 2, d), seen as (B, H, 2, n, d)
+block, block_scales = torch.randint(-127, 128, (B, H, 7, 2, D), dtype=torch.int8), torch.rand(B, H, 7, 2)
+for dtype in (torch.float32, torch.bfloat16):
+    rows = torch.full((B, H, 7, 2, D), float("nan"), dtype=dtype)
+    planes = (block.transpose(2, 3), block_scales.transpose(2, 3), pool.factors, rows.transpose(2, 3))
+    int8_rows._launch_dequantise(*planes)
+    reference = int8_rows.decode(block, block_scales, dtype, pool.factors[:, None])  # the CPU path of read_rows
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 0.0
+    assert bool(((rows - reference).abs() <= ulp * reference.abs()).all()), ("prefill block", dtype)
 print("ok")
 """
 

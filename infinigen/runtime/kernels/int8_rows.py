@@ -59,15 +59,17 @@ def decode(
     codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, factors: torch.Tensor | None = None
 ) -> torch.Tensor:
     """codes (..., head_dim) int8 and scales (...) -> (..., head_dim) of ``dtype``, multiplied by ``factors``
-    (broadcast to ``codes``) where given (the CPU gather's path, and a prefill's read of earlier chunks)."""
+    (broadcast to ``codes``) where given (the CPU paths of the gather and of a prefill's read of earlier chunks:
+    its float32 copies would take five times the rows' 16-bit size on a GPU)."""
     values = codes.float() * scales.to(codes.device, torch.float32)[..., None]
     return (values if factors is None else values * factors.to(codes.device)).to(dtype)
 
 
 def dequantise(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, out: torch.Tensor) -> None:
     """out (B, H, 2, P, d) <- codes (B, H, 2, P, d) int8 times their scales (B, H, 2, P) and their channels'
-    factors (H, 2, d): rows kept on the GPU in 8 bits (``reuse.ResidentRows``), for a step's attention, as
-    ``decode`` gives them. On CUDA one kernel, in float32 registers; elsewhere a batch row at a time (a
+    factors (H, 2, d), as ``decode`` gives them: rows kept on the GPU in 8 bits (``reuse.ResidentRows``), for a
+    step's attention, and a prefill's blocks of earlier rows (``KVPool.read_rows``: (B, H, P, 2, d) seen as
+    (B, H, 2, P, d)). On CUDA one kernel, in float32 registers; elsewhere a batch row at a time (a
     float32 copy of them all would take twice their 16-bit size)."""
     if on_triton(out.device):
         _launch_dequantise(codes, scales, factors, out)
@@ -88,10 +90,13 @@ if triton is not None:
         kv_heads,
         code_head,
         code_plane,
+        code_position,
         scale_head,
         scale_plane,
+        scale_position,
         out_head,
         out_plane,
+        out_position,
         head_dim: tl.constexpr,
         dim_pow2: tl.constexpr,
         block: tl.constexpr,
@@ -103,19 +108,22 @@ if triton is not None:
         col = tl.arange(0, dim_pow2)
         live = p < positions
         mask = live[:, None] & (col < head_dim)[None, :]
-        at = p[:, None] * head_dim + col[None, :]
+        at = p[:, None] * code_position + col[None, :]
         code = tl.load(codes + bh * code_head + plane * code_plane + at, mask=mask, other=0)
-        scale = tl.load(scales + bh * scale_head + plane * scale_plane + p, mask=live, other=0)
+        scale = tl.load(scales + bh * scale_head + plane * scale_plane + p * scale_position, mask=live, other=0)
         factor = tl.load(factors + ((bh % kv_heads) * 2 + plane) * head_dim + col, mask=col < head_dim, other=1.0)
         values = code.to(tl.float32) * scale[:, None] * factor[None, :]
+        at = p[:, None] * out_position + col[None, :]
         tl.store(out + bh * out_head + plane * out_plane + at, values, mask=mask)
 
 
 def _launch_dequantise(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, out: torch.Tensor) -> None:
+    """``dequantise`` on CUDA: any strides of positions and planes (the pool's (B, H, n, 2, d) blocks seen as
+    (B, H, 2, n, d), or the resident rows' own layout); a row's values contiguous, heads strided alike."""
     batch, heads, _, positions, head_dim = codes.shape
-    for t in (codes, out):  # positions of one plane one row apart, planes and heads strided alike
-        assert t.stride(4) == 1 and t.stride(3) == head_dim and t.stride(0) == heads * t.stride(1), t.stride()
-    assert scales.stride(3) == 1 and scales.stride(0) == heads * scales.stride(1), scales.stride()
+    for t in (codes, out, scales):
+        assert t.stride(-1) == 1 or t is scales, t.stride()
+        assert t.stride(0) == heads * t.stride(1), t.stride()
     block = 64
     _dequantise_kernel[(batch * heads * 2, triton.cdiv(positions, block))](
         codes,
@@ -126,10 +134,13 @@ def _launch_dequantise(codes: torch.Tensor, scales: torch.Tensor, factors: torch
         heads,
         codes.stride(1),
         codes.stride(2),
+        codes.stride(3),
         scales.stride(1),
         scales.stride(2),
+        scales.stride(3),
         out.stride(1),
         out.stride(2),
+        out.stride(3),
         head_dim=head_dim,
         dim_pow2=triton.next_power_of_2(head_dim),
         block=block,

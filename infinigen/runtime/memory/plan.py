@@ -178,6 +178,8 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
         pool = host_pool_size(model.config, batch, work.tokens, dtype, ranks, **_settings(config))
         parts.append(Part("CPU KV pool", "host", pool.nbytes))
         stored = row_bytes(d, dtype, policy.codec, row_bits(config)) // 2  # one K or V, as the pool keeps it
+        if row_bits(config) == 8 and policy.codec is None:  # and its rows dequantised beside the codes
+            stored += d * e
         staging = 2 * batch * kv * min(config.prefill_block_tokens, work.context) * 2 * stored
         parts.append(Part("prefill: earlier chunks' blocks", "gpu", staging, "prefill"))
         selection = 3 * 4 * batch * kv * capacity  # scores, their ranks and counts, float32 / int32

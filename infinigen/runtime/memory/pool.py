@@ -23,6 +23,7 @@ import torch
 
 from infinigen.runtime.kernels import int8_rows, transfer
 from infinigen.runtime.kernels.buffers import grown_to
+from infinigen.runtime.kernels.triton_support import on_triton
 from infinigen.runtime.memory.host_memory import HostBlocks, copy_runs, retire
 from infinigen.runtime.selection.policies.base import RowCodec
 
@@ -166,9 +167,14 @@ class KVPool:
             start = index * self.block_tokens
             a, b = max(lo, start), min(hi, start + self.block_tokens)
             _copy_runs(part[:, :, a - lo : b - lo], self.blocks[index][:, :, a - start : b - start])
-        if self.kv_bits == 8:
-            return int8_rows.decode(part, self.scales[:, :, lo:hi], dtype, self.factors[:, None])
-        return part
+        if self.kv_bits != 8:
+            return part
+        scales = self.scales[:, :, lo:hi]  # (B, H, n, 2)
+        if not on_triton(part.device):
+            return int8_rows.decode(part, scales, dtype, self.factors[:, None])
+        rows = torch.empty(part.shape, dtype=dtype, device=part.device)  # no float32 copies: one kernel
+        int8_rows.dequantise(part.transpose(2, 3), scales.transpose(2, 3), self.factors, rows.transpose(2, 3))
+        return rows
 
     def write_slots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows (batch, kv_heads, 1, 2, d) at per-(batch, head) slots (batch, kv_heads)."""
