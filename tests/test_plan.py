@@ -55,6 +55,11 @@ def test_the_8b_shape_weights_and_kv_counted_by_hand():
     assert found["decode: fetch staging"] == 2 * 2 * row * (math.ceil(0.1 * capacity) + 1)
     assert found["CPU KV pool"] == 30 * 2 * 8 * capacity * 512  # 512-byte rows
     assert found["prefill: attention mask"] == 2 * 4096 * 20000  # booleans, the last chunk's over every key
+    # a later chunk's attention at its most, in chunks of 1,024: the last full chunk's own causal block, its keys
+    # and values repeated for 32 query heads, the output in bf16 and float32; unpadded, no block of 4,096 earlier
+    # keys repeats its KV (each KV head's query group folds into the queries)
+    chunked = parts(memory.plan(model, BF16, replace(work, prefill_chunk=1024), config))
+    assert chunked["prefill: attention"] == 2 * 32 * 1024 * 128 * (2 * 2 + 2 + 8)
     # two blocks of 4,096 earlier rows staged for a later chunk; 8-bit rows: codes, and the rows they decode to
     assert found["prefill: earlier chunks' blocks"] == 2 * 2 * 8 * 4096 * 2 * 256
     eight = parts(memory.plan(model, BF16, work, replace(config, kv_bits=8)))

@@ -6,8 +6,10 @@ every query head of a group.
 
 On CUDA each block runs PyTorch's flash attention kernel where every key of the block is allowed (every
 block after a left-padded batch's padding), else its memory-efficient kernel, which takes the block's mask
-as an additive bias; both return the log-sum-exp. Elsewhere the same in PyTorch (``block_attention``): the CPU path, and
-the tests' reference.
+as an additive bias; both return the log-sum-exp. A block of earlier keys that every query reads takes a KV
+head's query group as that many more queries (grouped-query models): only blocks with a mask, and the
+chunk's own causal one, repeat their KV for every query head. Elsewhere the same in PyTorch
+(``block_attention``): the CPU path, and the tests' reference.
 """
 
 from __future__ import annotations
@@ -56,9 +58,13 @@ def on_cuda_kernel(query: torch.Tensor) -> bool:
 
 
 def _efficient(query, keys, values, allowed, scale, causal) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, heads, length, _ = query.shape
+    batch, heads, length, head_dim = query.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
+    if allowed is None and not causal and group > 1:  # every query reads every key: a KV head's query group
+        folded = query.reshape(batch, kv_heads, group * length, head_dim)  # folds into its queries, no KV copies
+        out, lse = _efficient(folded, keys, values, None, scale, False)
+        return out.reshape(batch, heads, length, head_dim), lse.reshape(batch, heads, length)
     keys = keys.repeat_interleave(group, dim=1) if group > 1 else keys  # one block's: bounded
     values = values.repeat_interleave(group, dim=1) if group > 1 else values
     if allowed is None and _flash_suits(query):  # about twice the efficient kernel's speed on an H100 / H200

@@ -210,15 +210,18 @@ def attention_workspace(work: Workload, config: RuntimeConfig, heads: int, d: in
     """The larger of a prefill's two attentions. The first chunk's is transformers' SDPA, which with a mask
     (padded rows) repeats the KV for every query head and takes the mask as a bias (``sdpa_bias_bytes``).
     A later chunk's runs over blocks of earlier keys (``kernels.chunk_attention``): a block's KV repeated
-    for every query head, its output in 16 bits and in float32 beside the running float32 sum, and with
-    padding the block's bias."""
+    for every query head (a masked block's, or the chunk's own), its output in 16 bits and in float32 beside
+    the running float32 sum, and with padding the block's bias."""
     batch, chunk, context = work.batch, work.chunk, work.context
     first = batch * 3 * heads * chunk * d * e + sdpa_bias_bytes(batch, chunk, chunk, e) if work.padded else 0
     if chunk == context:
         return first
 
     def later(past: int) -> int:  # the chunk after ``past`` tokens: one block of them at a time
-        keys, queries = min(config.prefill_block_tokens, past), min(chunk, context - past)
+        queries = min(chunk, context - past)
+        # only masked blocks (padding) and the chunk's own (causal) repeat their KV; the others fold each
+        # KV head's query group into its queries (``chunk_attention``), within the chunk's own block's bytes
+        keys = min(config.prefill_block_tokens, past) if work.padded else queries
         block = batch * heads * (2 * keys * d * e + queries * d * (e + 8))
         return block + (batch * queries * _aligned(keys) * e if work.padded else 0)
 
