@@ -327,34 +327,19 @@ def _occupied(gpu_memory_gb: float | None, device: str):
 
 
 def _streamed(subject_config, dtype: str, device: str, budget, cases: list):
-    """The settings whose decoder layers stay in host memory for the whole sweep, or None. None where the
-    weights fit the budget (as ``eval`` loads): each case streams what it asks or its plan says, its layers
-    moved out for its run and back after it. Else the model loads once with the most any case of ours streams
-    under the budget (as asked: one count, or each case's plan), and every case runs with them. Cases of
-    policies that offload the KV cache decide where there are any: ``dense`` (the GPU-resident ideal) runs
-    beside them with the weights as they place them, never making theirs stream. Refuses, before anything is
-    built, weights that fit no way, and several asked counts the one load cannot give."""
+    """The settings whose decoder layers stay in host memory for the whole sweep, or None: the cases of ours
+    as ``streaming.streamed_for`` weighs runs (each case as asked, or as its plan streams)."""
     from infinigen.models import parse_dtype
-    from infinigen.runtime import POLICIES
     from infinigen.runtime.memory import plan as memory
     from infinigen.runtime.memory import streaming
 
     torch_dtype = parse_dtype(dtype, device)
-    subject = memory.model_of(subject_config, torch_dtype)
-    ours = [case for case in cases if case.ours]
-    if budget is None or subject.weight_bytes < budget:
-        return None
-    asked = sorted({case.config.streamed_layers for case in ours} - {None})
-    if len(asked) > 1:
-        raise InfinigenError(
-            f"--streamed-layers takes one count where the weights ({memory.gb(subject.weight_bytes)} GB) exceed the "
-            f"GPU budget ({memory.gb(budget)} GB): the model loads once, those layers in host memory; got {asked}"
-        )
-    runs = []
-    for case in [case for case in ours if POLICIES[case.policy].offloads] or ours:
-        work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
-        runs.append((work, case.config))
-    return streaming.streamed_for(subject, torch_dtype, runs, budget)
+    runs = [
+        (memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk), case.config)
+        for case in cases
+        if case.ours
+    ]
+    return streaming.streamed_for(memory.model_of(subject_config, torch_dtype), torch_dtype, runs, budget)
 
 
 def _run(

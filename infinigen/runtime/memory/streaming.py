@@ -44,26 +44,41 @@ def _streamed(found) -> int:
 
 
 def streamed_for(model, dtype, runs: Sequence[tuple], budget: int | None):
-    """The settings (a ``RuntimeConfig``, or None: none stream) with which one loaded model keeps decoder
-    layers in host memory for every run of a sweep (``runs``: each a ``plan.Workload`` and its
-    ``RuntimeConfig``, whose ``streamed_layers`` may be fixed already): the most any of them streams under
-    ``budget``, for the policy that keeps the most layers ahead. Refuses, before anything loads, weights
-    that exceed the budget where no run fits with any of their layers streamed."""
+    """The settings (a ``RuntimeConfig``, or None) with which one loaded model keeps decoder layers in host
+    memory for every run of a sweep (``runs``: each a ``plan.Workload`` and its ``RuntimeConfig``, whose
+    ``streamed_layers`` may be fixed). One count asked: it. Else, where the weights fit the budget, None: each
+    run streams what it asks or its plan says, its layers moved out for its run alone. Else the most any run
+    streams under ``budget``, runs of policies that offload the KV cache deciding where there are any
+    (``dense``, the GPU-resident ideal, never makes theirs stream); for the policy that keeps the most layers
+    ahead. Refuses, before anything loads, several counts where the weights do not fit, and weights that fit no
+    way."""
     from infinigen.runtime.config import RuntimeConfig
     from infinigen.runtime.memory import plan  # which imports this module for its last resort
     from infinigen.runtime.memory.sizing import weights_ahead
+    from infinigen.runtime.selection.policies import POLICIES
 
-    planned = (plan.plan(model, dtype, work, config, budget) for work, config in runs)
-    count = max(((found.config.streamed_layers or 0) if found.fits else 0 for found in planned), default=0)
-    if budget is not None and not count and model.weight_bytes > budget:
+    asked = sorted({config.streamed_layers for _, config in runs} - {None})
+    fits = budget is None or model.weight_bytes < budget
+    if len(asked) > 1 and not fits:
         raise InfinigenError(
-            f"the weights alone ({plan.gb(model.weight_bytes)} GB) exceed the GPU budget ({plan.gb(budget)} GB), "
-            "and no run fits with any of their layers streamed from host memory"
+            f"streamed_layers takes one count where the weights ({plan.gb(model.weight_bytes)} GB) exceed the GPU "
+            f"budget ({plan.gb(budget)} GB): the model loads once, those layers in host memory; got {asked}"
         )
-    if not count:
+    if len(asked) == 1:
+        count = asked[0]
+    elif fits:
         return None
+    else:
+        deciding = [(work, config) for work, config in runs if POLICIES[config.policy].offloads] or runs
+        planned = (plan.plan(model, dtype, work, config, budget) for work, config in deciding)
+        count = max(((found.config.streamed_layers or 0) if found.fits else 0 for found in planned), default=0)
+        if not count:
+            raise InfinigenError(
+                f"the weights alone ({plan.gb(model.weight_bytes)} GB) exceed the GPU budget ({plan.gb(budget)} "
+                "GB), and no run fits with any of their layers streamed from host memory"
+            )
     policy = max((config.policy for _, config in runs), key=weights_ahead, default="full")
-    return RuntimeConfig(policy=policy, streamed_layers=count)
+    return RuntimeConfig(policy=policy, streamed_layers=count) if count else None
 
 
 def least_moved(candidates: Sequence[tuple], planned: Callable, layers: int):
