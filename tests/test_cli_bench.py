@@ -154,6 +154,25 @@ def test_bench_hf_accelerate_runs_transformers_with_accelerates_offloading():
     assert rows["dense"]["ms_per_step"] > 0 and "error" not in rows["dense"]
 
 
+def test_bench_hf_accelerate_offloaded_puts_transformers_offloaded_cache_under_accelerates_offloading(monkeypatch):
+    """``hf-accelerate-offloaded``: accelerate's weight offloading with ``DynamicCache(offloading=True)``, which
+    needs CUDA: on the CPU its error is its row, and the model is left as found for the case after it; its KV
+    in host memory is checked against the host's, as ``hf-offloaded``'s."""
+    policies = "--policies hf-accelerate-offloaded,dense --json"
+    result = bench(f"--batch 1 --prompt-len 32 --layers 3 --gen-len 1 {policies}")
+    assert result.exit_code == 0, result.output
+    rows = {r["policy"]: r for r in strict_json(result.stdout)["results"]}
+    offloaded = rows["hf-accelerate-offloaded"]
+    assert offloaded["error"] and "\n" not in offloaded["error"] and "ms_per_step" not in offloaded
+    assert rows["dense"]["ms_per_step"] > 0 and "error" not in rows["dense"]
+    from infinigen.runtime.memory import plan as memory
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
+    result = bench(f"--batch 1 --prompt-len 32 --layers 3 --gen-len 1 {policies}")
+    error = json.loads(result.stdout)["results"][0]["error"]
+    assert error.startswith("does not fit in host memory: its KV needs"), error
+
+
 def test_bench_baselines_and_cases_over_the_hosts_memory_are_rows(monkeypatch):
     """A case whose KV would not fit in the host memory available (ours: its CPU pool; transformers'
     offloaded cache: its host KV) is an error row, not a process the host's out-of-memory killer ends."""

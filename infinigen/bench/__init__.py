@@ -3,5 +3,7 @@ micro-benchmarks of the gather and the speculation (``micro``), random-weight mo
 (``shapes``) and their plots. The runtime never imports this package."""
 
 # transformers' own caches, benchmarked beside the policies; hf-accelerate: DynamicCache with accelerate's
-# offloading of the weights that do not fit (``bench.accelerate_offload``)
-HF_BASELINES = ("hf-dynamic", "hf-offloaded", "hf-accelerate")
+# offloading of the weights that do not fit (``bench.accelerate_offload``), hf-accelerate-offloaded: the same
+# with transformers' offloaded cache
+ACCELERATED = ("hf-accelerate", "hf-accelerate-offloaded")
+HF_BASELINES = ("hf-dynamic", "hf-offloaded", *ACCELERATED)

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from infinigen.artifacts import Artifact
+from infinigen.bench import ACCELERATED
 from infinigen.bench.accelerate_offload import accelerate_offloaded
 from infinigen.bench.hf_memory import hf_plan
 from infinigen.errors import InfinigenError
@@ -110,7 +111,7 @@ def bench_cases(
 def make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase):
     if case.policy in ("hf-dynamic", "hf-accelerate"):
         return DynamicCache(config=model.config)
-    if case.policy == "hf-offloaded":
+    if case.policy in ("hf-offloaded", "hf-accelerate-offloaded"):
         return DynamicCache(config=model.config, offloading=True)
     return InfinigenCache(model, case.config, artifact)
 
@@ -254,7 +255,7 @@ def release_cached_memory(device: torch.device, keep_pool_blocks: bool = True) -
 def run_case(
     model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
 ) -> dict:
-    if case.policy != "hf-accelerate":
+    if case.policy not in ACCELERATED:
         return _run_case(model, artifact, case, text_ids)
     device = next(model.parameters()).device
     gpu_bytes = case.accelerate_gpu_bytes
@@ -372,10 +373,14 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
     error is their row), but the offloaded one's host memory is checked: the host's out-of-memory killer
     would end the whole run, not the case."""
     work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
-    if case.policy == "hf-accelerate":  # its weights: the budget less its KV and workspace (its best split)
-        kv = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, "hf-dynamic").peak_gpu
+    if case.policy in ACCELERATED:  # its weights: the budget less its KV and workspace (its best split)
+        cache = "hf-dynamic" if case.policy == "hf-accelerate" else "hf-offloaded"
+        found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, cache)
+        if not memory.fits_host(found):
+            return case, case_settings(case) | {"error": _host_error(found)}, {}
         if budget is None:
             return case, None, {}
+        kv = found.peak_gpu
         room = int(budget / (1 + memory.SLACK)) - kv - memory.CUBLAS_WORKSPACE
         if room <= 0:
             error = f"does not fit: DynamicCache's KV and workspace alone need {memory.gb(kv)} GB of the budget"
@@ -385,15 +390,18 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
         found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, case.policy)
         if memory.fits_host(found):
             return case, None, {}
-        available = memory.gb(memory.host_available_bytes())
-        error = f"does not fit in host memory: its KV needs {memory.gb(found.host)} GB, {available} GB is available"
-        return case, case_settings(case) | {"error": error}, {}
+        return case, case_settings(case) | {"error": _host_error(found)}, {}
     found = memory.plan_for(model, case.config, work, budget)
     said = {"planned_peak_gpu_gb": memory.gb(found.peak_gpu), "given_up": "; ".join(found.shed) or None}
     if why := memory.why_not(found):
         return case, case_settings(case) | {"error": why}, said
     planned = replace(case, planned=memory.cache_settings(found), prefill_chunk=found.workload.prefill_chunk)
     return planned, None, said
+
+
+def _host_error(found: memory.MemoryPlan) -> str:
+    available = memory.gb(memory.host_available_bytes())
+    return f"does not fit in host memory: its KV needs {memory.gb(found.host)} GB, {available} GB is available"
 
 
 def case_label(case: BenchCase) -> str:
