@@ -349,8 +349,12 @@ def test_plan_command_json_and_table(monkeypatch):
     assert capacity["infinigen"]["largest_tokens"] >= 8 * capacity["hf-dynamic"]["largest_tokens"]
     names = {p["part"] for p in report["parts"]}
     assert {"weights", "decode: resident rows", "CPU KV pool", "prefill: attention mask"} <= names
+    # 32 chunks of 4,096, each after the first reading the earlier ones' rows again: about half the pool each
+    pool = sum(p["gb"] for p in report["parts"] if p["part"] == "CPU KV pool")
+    assert report["prefill_moved_gb"] == pytest.approx(pool * 31 / 2, rel=1e-3)
     table = invoke("plan", *args[:-1])
     assert table.exit_code == 0 and "memory plan" in table.stdout and "largest context" in table.stdout
+    assert "prefill over the bus" in table.stdout
     # the host too: a KV pool larger than the host memory available now is said to not fit, in the summary's words
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 10**9)
     short = json.loads(invoke("plan", *args).stdout)

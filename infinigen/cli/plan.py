@@ -47,6 +47,7 @@ def plan(
     from infinigen.models import parse_dtype
     from infinigen.runtime.config import RuntimeConfig
     from infinigen.runtime.memory import plan as memory
+    from infinigen.runtime.memory.streaming import prefill_bytes
     from infinigen.runtime.memory.throughput import step_floor_ms
 
     if min(batch, context) < 1 or new_tokens < 0 or prefill_chunk < 0:
@@ -67,6 +68,9 @@ def plan(
         "budget_from": "--gpu-memory-gb" if config.gpu_memory_gb is not None else "free memory" if budget else None,
         **_plan_report(found),
         "step_floor_ms": _rounded(step_floor_ms(found, subject, torch_dtype, bandwidth)),
+        # what a chunked prefill moves: each chunk's streamed layers, the earlier chunks' rows read again
+        "prefill_moved_gb": _gb(prefill_bytes(found)),
+        "prefill_floor_s": None if bandwidth is None else _rounded(prefill_bytes(found) / (bandwidth * 1e9)),
         "pinned_h2d_gb_s": _rounded(bandwidth),
         "capacity": _capacity(subject, torch_dtype, work, config, budget),
         "throughput": _throughput(subject, torch_dtype, work, config, budget, device, bandwidth),
@@ -193,6 +197,8 @@ def _print(report: dict) -> None:
         "decode step floor": "n/a (no GPU)"
         if report["step_floor_ms"] is None
         else f"{report['step_floor_ms']} ms at {report['pinned_h2d_gb_s']} GB/s",
+        "prefill over the bus": f"{report['prefill_moved_gb']} GB (streamed layers, earlier chunks' rows read again)"
+        + ("" if report["prefill_floor_s"] is None else f": at least {report['prefill_floor_s']} s"),
     }
     best = report["throughput"]
     summary["most tokens/s"] = (
