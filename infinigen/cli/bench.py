@@ -168,16 +168,12 @@ def bench(
         for b, n in pairs
         for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios, prefill_chunk=chunk)
     ]
-    planned = {(e["batch"], e["context"]): e["streamed_layers"] for e in throughput}  # the auto batches' counts
-    cases = [
-        replace(c, runtime=c.runtime | {"streamed_layers": planned[(c.batch, c.prompt_len)]})
-        if c.ours and c.config.streamed_layers is None and (c.batch, c.prompt_len) in planned
-        else c
-        for c in cases
-    ]
     streamed = _streamed(subject_config, dtype, device, budget, cases)
-    if streamed is not None:  # every case of ours runs with them: its plan counts them
-        cases = [replace(c, runtime=c.runtime | {"streamed_layers": streamed.streamed_layers}) for c in cases]
+    planned = {(e["batch"], e["context"]): e["streamed_layers"] for e in throughput}  # the auto batches' counts
+    for i, c in enumerate(cases):  # one load: every case of ours runs with its layers (its plan counts them)
+        count = streamed.streamed_layers if streamed is not None else planned.get((c.batch, c.prompt_len))
+        if c.ours and count is not None and (streamed is not None or c.config.streamed_layers is None):
+            cases[i] = replace(c, runtime=c.runtime | {"streamed_layers": count})  # else an auto batch its plan's
     text = None if text is None else str(text)
     subject = load_subject(shape, model, artifact, text, device, dtype, layers, streamed)
     loaded_s = time.perf_counter() - start
