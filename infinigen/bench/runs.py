@@ -109,10 +109,9 @@ def bench_cases(
 
 
 def make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCase):
-    if case.policy in ("hf-dynamic", "hf-accelerate"):
-        return DynamicCache(config=model.config)
-    if case.policy in ("hf-offloaded", "hf-accelerate-offloaded"):
-        return DynamicCache(config=model.config, offloading=True)
+    cache = ACCELERATED.get(case.policy, case.policy)  # transformers' cache of an accelerate baseline
+    if cache in ("hf-dynamic", "hf-offloaded"):
+        return DynamicCache(config=model.config, offloading=cache == "hf-offloaded")
     return InfinigenCache(model, case.config, artifact)
 
 
@@ -374,8 +373,7 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
     would end the whole run, not the case."""
     work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
     if case.policy in ACCELERATED:  # its weights: the budget less its KV and workspace (its best split)
-        cache = "hf-dynamic" if case.policy == "hf-accelerate" else "hf-offloaded"
-        found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, cache)
+        found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, ACCELERATED[case.policy])
         if not memory.fits_host(found):
             return case, case_settings(case) | {"error": _host_error(found)}, {}
         if budget is None:

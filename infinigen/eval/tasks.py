@@ -268,11 +268,10 @@ def task_accuracy(
     fractions: list[dict[str, float]] = []
     largest = None  # the plan of the group that needs the most GPU memory
     count = min(limit, len(examples))
-    if batch == 0:
-        shot = [with_shots(examples, index, shots, seed) for index in range(count)]
-        batch = examples_per_batch(model, tokenizer, shot, settings)
+    shot = [with_shots(examples, index, shots, seed) for index in range(count)]
+    batch = batch or examples_per_batch(model, tokenizer, shot, settings)
     for start in range(0, count, batch):
-        group = [with_shots(examples, index, shots, seed) for index in range(start, min(start + batch, count))]
+        group = shot[start : start + batch]
         group_scores, fetched, found = choice_logprobs(model, tokenizer, artifact, group, settings)
         fractions.append(fetched)
         largest = found if largest is None or found.peak_gpu > largest.peak_gpu else largest

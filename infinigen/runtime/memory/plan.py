@@ -159,9 +159,10 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
     parts.append(Part("sliding windows' KV", "gpu", batch * kv_row * sliding))
     if offloaded:
         channels = opts.get("channels") or padded_channels(math.ceil(d * 0.5))  # the default artifact's half
-        per_slot = 1 + (8 if row_bits(config) == 8 else 0) + (20 if config.cpu_pool_gb is not None else 0)
+        kv_bits = row_bits(config)
+        per_slot = 1 + (8 if kv_bits == 8 else 0) + (20 if config.cpu_pool_gb is not None else 0)
         per_slot += policy.slot_bytes(config, d, e, channels)
-        factors = kv * 2 * d * 4 if row_bits(config) == 8 else 0  # 8-bit rows' channel factors, float32
+        factors = kv * 2 * d * 4 if kv_bits == 8 else 0  # 8-bit rows' channel factors, float32
         state = int(len(offloaded) * (batch * kv * capacity * per_slot + factors))
         parts.append(Part("offloaded layers' slot state", "gpu", state))
         if policy.speculates:  # partial key columns; the query's per head (OPT: folded rows over the hidden size)
@@ -177,8 +178,8 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
             parts.append(Part("decode: fetch staging", "gpu", 2 * batch * kv_row * (k + 1), "decode"))
         pool = host_pool_size(model.config, batch, work.tokens, dtype, ranks, **_settings(config))
         parts.append(Part("CPU KV pool", "host", pool.nbytes))
-        stored = row_bytes(d, dtype, policy.codec, row_bits(config)) // 2  # one K or V, as the pool keeps it
-        if row_bits(config) == 8 and policy.codec is None:  # and its rows dequantised beside the codes
+        stored = row_bytes(d, dtype, policy.codec, kv_bits) // 2  # one K or V, as the pool keeps it
+        if kv_bits == 8 and policy.codec is None:  # and its rows dequantised beside the codes
             stored += d * e
         staging = 2 * batch * kv * min(config.prefill_block_tokens, work.context) * 2 * stored
         parts.append(Part("prefill: earlier chunks' blocks", "gpu", staging, "prefill"))
