@@ -114,6 +114,7 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
         projections = sum(b.nbytes for layer in offloaded for b in layer.speculator.buffers())
         staging = {name: buffer.nbytes for name, buffer in cache.buffers.items()}
         dense_layers = sum(type(layer) is DenseLayer for layer in cache.layers)
+        dense_held, sliding_held = held(DenseLayer), held(SlidingLayer)  # close lets the layers go
     channels = padded_channels(artifact.channels(offloaded[0].index).shape[-1])
     found = memory.plan(memory.model_of(model.config, torch.float32), torch.float32, work, config, channels=channels)
     planned = parts(found)
@@ -121,10 +122,10 @@ def test_the_plan_counts_what_a_cache_holds(tokenizer, arch, kv_bits):
     kv_row = 2 * spec.n_kv_heads * spec.head_dim * 2 * 4  # 2 rows of float32 K and V
     dense = planned["dense layers' KV"]
     assert dense == dense_layers * kv_row * work.tokens  # told the run's length: never grown
-    assert held(DenseLayer) == dense and held(SlidingLayer) == planned["sliding windows' KV"]
+    assert dense_held == dense and sliding_held == planned["sliding windows' KV"]
     assert state == planned["offloaded layers' slot state"] and pools == planned["CPU KV pool"]
     assert projections == planned["speculators' projections"] > 0  # OPT's: folded query rows over the hidden size
-    assert min(dense, state, pools) > 0 and (held(SlidingLayer) > 0) == (arch == "gemma3")
+    assert min(dense, state, pools) > 0 and (sliding_held > 0) == (arch == "gemma3")
     assert {name for name, _ in staging} == {"rows"}  # one per layer parity (a tiny model may use one)
     assert all(2 * nbytes == planned["decode: fetch staging"] for nbytes in staging.values())
 

@@ -151,6 +151,32 @@ def test_a_cache_streams_the_weights_its_plan_streams_and_restores_them(tokenize
         assert all(p.device == before[name][0] for name, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("ending", ["close", "collected"])
+def test_a_caches_kv_is_let_go_before_its_streamed_weights_return(tokenizer, device, monkeypatch, ending):
+    """At a budget that streams weights, the cache's KV and the whole model do not fit at once: closed or
+    collected, the cache's layers are gone before a parameter goes back; the summary reads as before."""
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    layers_when_restored = []
+    close = StreamedWeights.close
+
+    def restoring(weights):
+        layers_when_restored.append(len(cache_layers))
+        close(weights)
+
+    monkeypatch.setattr(StreamedWeights, "close", restoring)
+    with torch.no_grad():
+        cache = cache_for(model, artifact, policy="full", streamed_layers=2)
+        cache_layers = cache.layers
+        greedy(model, padded_batch(PROMPTS, 1, device), cache)
+        summary = cache.summary()
+        assert len(cache_layers) == 3 and summary["bytes_host_to_device"] > 0
+        if ending == "close":
+            cache.close()
+            assert cache.summary() == summary
+        del cache
+    assert layers_when_restored == [0] and streamed_weights(model) is None
+
+
 def test_a_model_in_host_memory_is_placed_without_its_streamed_layers(tokenizer, device):
     """``place_weights``: everything but the streamed layers goes to the device, those stream from host
     memory; the tokens are the resident model's."""

@@ -8,6 +8,7 @@ closed (``close``, or the end of a ``with`` block) or collected: the model is le
 
 from __future__ import annotations
 
+import gc
 import math
 import weakref
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from infinigen.runtime.cache.diagnostics import Diagnostics
 from infinigen.runtime.cache.hooks import attach
 from infinigen.runtime.cache.layers import DenseLayer, Fetched, OffloadedLayer
 from infinigen.runtime.cache.sliding import SlidingLayer
-from infinigen.runtime.cache.stats import bits_moved, summarize
+from infinigen.runtime.cache.stats import cache_summary
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.kernels import int8_rows
 from infinigen.runtime.memory import plan, reuse
@@ -38,6 +39,13 @@ from infinigen.runtime.selection.speculation import LayerSpeculator
 from infinigen.runtime.streams import side_stream
 from infinigen.runtime.weights import streamed_weights, weights_for_run
 from infinigen.tensor_parallel import head_shard
+
+
+def _emptied_then_closed(layers: list, streamed) -> None:
+    """A cache's layers let go (with them its KV on the device), then its streamed weights put back."""
+    layers.clear()
+    gc.collect()  # a layer's own reference cycles
+    streamed.close()
 
 
 class InfinigenCache(Cache):
@@ -85,7 +93,11 @@ class InfinigenCache(Cache):
         self.planned = plan.loaded_model(model, self.shard.ranks)
         self.reuse_capacity = 0  # the pool capacity of the latest auto decision
         streamed = weights_for_run(model, config, self.device, self.shard.ranks)
-        self.streamed = weakref.finalize(self, streamed.close) if streamed is not None else None
+        # the weights go back once the KV is gone: at a budget that streams them both do not fit at once
+        self.streamed = (
+            weakref.finalize(self, _emptied_then_closed, self.layers, streamed) if streamed is not None else None
+        )
+        self.closing_summary: dict | None = None  # the summary as it stood at ``close``
         self.graphs = config.cuda_graphs and streamed_weights(model) is None  # a graph would keep one slot a layer
         # last: a cache that failed to initialise leaves nothing on the model
         self._detach = weakref.finalize(self, attach(model, self))
@@ -112,10 +124,18 @@ class InfinigenCache(Cache):
 
     def close(self) -> None:
         """Disconnect from the model (also done when the cache is collected): its hooks go with the
-        model's last cache, and no forward can use this one any more. The summary stays readable."""
+        model's last cache, no forward can use this one any more, and its layers (their KV) are let go.
+        The summary stays readable."""
+        if self.closed:
+            return
         self._detach()
-        if self.streamed is not None:  # the weights it streamed, restored
-            self.streamed()
+        try:
+            self.closing_summary = self.summary()
+        finally:
+            if self.streamed is not None:  # the weights it streamed, restored once the layers are gone
+                self.streamed()
+            else:
+                self.layers.clear()
 
     @property
     def closed(self) -> bool:
@@ -476,25 +496,5 @@ class InfinigenCache(Cache):
         return buffer
 
     def summary(self) -> dict:
-        if self.wait_events or self.step_wait_events:
-            torch.cuda.synchronize(self.device)
-        wait_ms = sum(b.elapsed_time(a) for b, a in self.wait_events)
-        replay_wait_ms = sum(b.elapsed_time(a) for b, a in self.step_wait_events) if self.replayed_steps else None
-        offloaded = [layer for layer in self.offloaded if layer.is_initialized]
-        row_bytes = offloaded[0].pool.row_bytes if offloaded else 0
-        pool_bytes = sum(layer.pool.nbytes for layer in offloaded)
-        summary = summarize(offloaded, row_bytes, wait_ms, pool_bytes)
-        kv_bits = row_bits(self.config)
-        bits = bits_moved(self.policy_type.codec, kv_bits)
-        summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
-        summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
-        allocation = self.allocation if self.policy_type.budgeted else None
-        head = {
-            "policy": self.policy_type.name,
-            "allocation": allocation,
-            "kv_bits": kv_bits if self.policy_type.offloads and self.policy_type.plain_rows else None,  # else n/a
-            "reuse_rows": None if self.reuse is None else str(self.reuse),  # e.g. "on (auto: 0.40 GB fits in ...)"
-            "resident_extra": self.resident_extra if self.policy_type.budgeted else None,  # as it applied at the end
-            "resident_bits": self.resident_bits if self.reuse is not None and self.reuse.on else None,
-        }
-        return head | summary | {"replayed_steps": self.replayed_steps}
+        """What the run did (``stats.cache_summary``); as it stood at ``close`` once closed."""
+        return self.closing_summary if self.closing_summary is not None else cache_summary(self)

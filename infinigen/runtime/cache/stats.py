@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinigen.runtime.kernels import int8_rows
+from infinigen.runtime.selection.policies import row_bits
 
 CHUNK = 256  # fetches whose values wait on the host before they are reduced
 Value = torch.Tensor | int  # per batch row (B,) on the compute device, or one int for every row
@@ -165,3 +166,29 @@ def summarize(layers, row_bytes: int, wait_ms: float, pool_bytes: int) -> dict:
         "prefetch_wait_ms": round(wait_ms, 3),
         "cpu_pool_bytes": pool_bytes,
     }
+
+
+def cache_summary(cache) -> dict:
+    """One cache's run: its settings as they applied and the totals over its offloaded layers."""
+    if cache.wait_events or cache.step_wait_events:
+        torch.cuda.synchronize(cache.device)
+    wait_ms = sum(b.elapsed_time(a) for b, a in cache.wait_events)
+    replay_wait_ms = sum(b.elapsed_time(a) for b, a in cache.step_wait_events) if cache.replayed_steps else None
+    offloaded = [layer for layer in cache.offloaded if layer.is_initialized]
+    row_bytes = offloaded[0].pool.row_bytes if offloaded else 0
+    pool_bytes = sum(layer.pool.nbytes for layer in offloaded)
+    summary = summarize(offloaded, row_bytes, wait_ms, pool_bytes)
+    kv_bits = row_bits(cache.config)
+    bits = bits_moved(cache.policy_type.codec, kv_bits)
+    summary["fraction_bytes"] = round(summary["fraction_fetched"] * bits / 16, 4)
+    summary["last_replay_wait_ms"] = round(replay_wait_ms, 3) if replay_wait_ms is not None else None
+    allocation = cache.allocation if cache.policy_type.budgeted else None
+    head = {
+        "policy": cache.policy_type.name,
+        "allocation": allocation,
+        "kv_bits": kv_bits if cache.policy_type.offloads and cache.policy_type.plain_rows else None,  # else n/a
+        "reuse_rows": None if cache.reuse is None else str(cache.reuse),  # e.g. "on (auto: 0.40 GB fits in ...)"
+        "resident_extra": cache.resident_extra if cache.policy_type.budgeted else None,  # as it applied at the end
+        "resident_bits": cache.resident_bits if cache.reuse is not None and cache.reuse.on else None,
+    }
+    return head | summary | {"replayed_steps": cache.replayed_steps}
