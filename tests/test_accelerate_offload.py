@@ -50,3 +50,40 @@ def test_offloaded_modules_decode_as_resident_ones_and_the_model_is_left_as_foun
         assert param is original and param.device == home and torch.equal(param, values), name
     assert torch.equal(greedy(model, inputs), resident)
     again.close()
+
+
+def test_an_auto_size_runs_accelerate_at_the_largest_batch_its_cache_leaves_weights_room_for():
+    """``--sizes autoxN``: accelerate's baselines run at the largest batch whose cache leaves weights room
+    within the budget (their step is the weights' copy: more rows, more tokens/s), others as planned; a
+    budget no row fits keeps the plan's batch (the row says it does not fit)."""
+    from infinigen.bench.auto_batch import baselines_at_their_batch
+    from infinigen.bench.hf_memory import accelerate_batch, accelerate_weight_room
+    from infinigen.bench.runs import BenchCase
+    from infinigen.bench.shapes import shape_config
+    from infinigen.runtime.memory import plan as memory
+
+    config, budget = shape_config("opt-30b"), int(16e9)
+    model, work = memory.Model(config, 0), memory.Workload(1, 512, 7, 512)
+    best = accelerate_batch(model, torch.float16, work, "hf-dynamic", budget)
+    room = [
+        accelerate_weight_room(model, torch.float16, memory.Workload(b, 512, 7, 512), "hf-dynamic", budget)
+        for b in (best, best + 1)
+    ]
+    assert best > 1 and room[0] > 0 >= room[1]
+    offloaded = accelerate_batch(model, torch.float16, work, "hf-offloaded", budget)
+    assert offloaded > best  # two layers' KV on the GPU, not every layer's
+    assert accelerate_batch(model, torch.float16, work, "hf-dynamic", int(5e8)) is None
+    cases = [
+        BenchCase(policy, 88, 512, gen_len=4, prefill_chunk=512)
+        for policy in ("infinigen", "hf-accelerate", "hf-dynamic")
+    ]
+    cases.append(BenchCase("hf-accelerate", 8, 512, gen_len=4, prefill_chunk=512))  # not an auto size
+    planned = [{"batch": 88, "context": 512}]
+    ran = baselines_at_their_batch(list(cases), planned, config, "float16", "cpu", budget)
+    assert [case.batch for case in ran] == [88, best, 88, 8]
+    assert [c.batch for c in baselines_at_their_batch(list(cases), planned, config, "float16", "cpu", int(5e8))] == [
+        88,
+        88,
+        88,
+        8,
+    ]

@@ -103,9 +103,9 @@ def test_weights_that_fit_stream_nothing_and_asked_layers_are_kept():
 
 def test_bench_auto_batch_needs_a_gpu_and_a_budget():
     """``--sizes autoxN`` parses, and off a GPU says in one line why it cannot plan; a bad pair is refused."""
-    from infinigen.cli.bench import AUTO, _sizes
+    from infinigen.bench.auto_batch import AUTO, parse_sizes
 
-    assert _sizes("autox1920,4x1920") == [([AUTO], [1920]), ([4], [1920])]
+    assert parse_sizes("autox1920,4x1920") == [([AUTO], [1920]), ([4], [1920])]
     result = invoke("bench", "--shape", "tiny-llama", "--sizes", "autox64", "--policy", "infinigen", "--device", "cpu")
     assert result.exit_code == 2 and "auto batch needs" in result.output and "Traceback" not in result.output
     bad = invoke("bench", "--shape", "tiny-llama", "--sizes", "autoxauto", "--device", "cpu")
@@ -115,14 +115,14 @@ def test_bench_auto_batch_needs_a_gpu_and_a_budget():
 def test_an_auto_batch_is_checked_over_the_run_it_was_planned_for():
     """The plan's tokens/s beside the measured ones: the row's prefill and 128 steps at its measured step;
     a row that did not run leaves the plan as it was."""
-    from infinigen.cli.bench import AUTO_NEW_TOKENS, _measured_run
+    from infinigen.bench.auto_batch import AUTO_NEW_TOKENS, measured_run
 
     plan = {"policy": "infinigen", "context": 1920, "batch": 30, "tokens_per_s_estimate": 35.0}
     row = {"policy": "infinigen", "batch": 30, "prompt_len": 1920, "prefill_s": 10.0, "ms_per_step": 500.0}
     other = row | {"policy": "hf-accelerate", "prefill_s": 1.0}
-    checked = _measured_run(plan, [other, row])
+    checked = measured_run(plan, [other, row])
     assert checked["measured_tokens_per_s"] == round(30 * AUTO_NEW_TOKENS / (10.0 + AUTO_NEW_TOKENS * 0.5), 1)
-    assert _measured_run(plan, [row | {"ms_per_step": None, "error": "out of memory"}]) == plan
+    assert measured_run(plan, [row | {"ms_per_step": None, "error": "out of memory"}]) == plan
 
 
 @pytest.mark.cuda

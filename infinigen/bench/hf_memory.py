@@ -14,6 +14,8 @@ not fit their error is their row.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from infinigen.runtime.config import RuntimeConfig
@@ -42,3 +44,30 @@ def hf_plan(model: Model, dtype: torch.dtype, work: Workload, name: str, budget:
         parts.append(Part("prefill: the mask as a bias", "gpu", bias, "prefill"))
     parts.append(Part("prefill: logits", "gpu", batch * model.vocab * 4, "prefill"))
     return MemoryPlan(name, work, RuntimeConfig(policy="dense"), tuple(parts), budget)
+
+
+def accelerate_weight_room(model: Model, dtype: torch.dtype, work: Workload, name: str, budget: int) -> int:
+    """The GPU bytes accelerate may give weights (``max_memory``) beside transformers' cache ``name`` (its KV
+    and workspace, ``hf_plan``) within ``budget``: at most 0 where the cache alone fills it."""
+    from infinigen.runtime.memory.plan import CUBLAS_WORKSPACE, SLACK
+
+    return int(budget / (1 + SLACK)) - hf_plan(model, dtype, work, name).peak_gpu - CUBLAS_WORKSPACE
+
+
+def accelerate_batch(model: Model, dtype: torch.dtype, work: Workload, name: str, budget: int) -> int | None:
+    """The batch with the most tokens/s under accelerate's offloading with cache ``name``: the largest whose
+    cache leaves weights room, None where not even one row fits. A step copies the host-mapped weights (the
+    same for any batch) and, with the offloaded cache, each row's KV: tokens/s grow with the batch."""
+
+    def fits(batch: int) -> bool:
+        return accelerate_weight_room(model, dtype, replace(work, batch=batch), name, budget) > 0
+
+    if not fits(1):
+        return None
+    low, high = 1, 2
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low

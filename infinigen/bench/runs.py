@@ -25,7 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from infinigen.artifacts import Artifact
 from infinigen.bench import ACCELERATED
 from infinigen.bench.accelerate_offload import accelerate_offloaded
-from infinigen.bench.hf_memory import hf_plan
+from infinigen.bench.hf_memory import accelerate_weight_room, hf_plan
 from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
 from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument
@@ -374,15 +374,16 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
     would end the whole run, not the case."""
     work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
     if case.policy in ACCELERATED:  # its weights: the budget less its KV and workspace (its best split)
-        found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, ACCELERATED[case.policy])
+        subject, dtype, cache = memory.Model(model.config, 0), next(model.parameters()).dtype, ACCELERATED[case.policy]
+        found = hf_plan(subject, dtype, work, cache)
         if not memory.fits_host(found):
             return case, case_settings(case) | {"error": _host_error(found)}, {}
         if budget is None:
             return case, None, {}
-        kv = found.peak_gpu
-        room = int(budget / (1 + memory.SLACK)) - kv - memory.CUBLAS_WORKSPACE
+        room = accelerate_weight_room(subject, dtype, work, cache, budget)
         if room <= 0:
-            error = f"does not fit: DynamicCache's KV and workspace alone need {memory.gb(kv)} GB of the budget"
+            need = memory.gb(found.peak_gpu)
+            error = f"does not fit: DynamicCache's KV and workspace alone need {need} GB of the budget"
             return case, case_settings(case) | {"error": error}, {}
         return replace(case, accelerate_gpu_bytes=room), None, {"accelerate_gpu_weights_gb": memory.gb(room)}
     if not case.ours:

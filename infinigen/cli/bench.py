@@ -41,7 +41,8 @@ SizesOpt = Annotated[
     typer.Option(
         help="Batch x context pairs, comma-separated (8x16384,1x131072): instead of every --batch with every "
         "--prompt-len, each pair in one run (one model load). autoxN: the batch with the most tokens/s the plan "
-        "estimates for the first policy of ours within the GPU budget (throughput mode)."
+        "estimates for the first policy of ours within the GPU budget (throughput mode); accelerate's baselines at "
+        "the largest batch their cache leaves weights room for (their best)."
     ),
 ]
 GenLenOpt = Annotated[int, typer.Option(help="Timed decode steps (after 3 warm-up steps).")]
@@ -124,6 +125,7 @@ def bench(
     """
     import torch
 
+    from infinigen.bench import auto_batch
     from infinigen.bench.micro import micro_report
     from infinigen.bench.plots import plot_bench, plot_micro
     from infinigen.bench.profiles import parse_profiles
@@ -141,7 +143,7 @@ def bench(
     if model is not None and ratio != str(DEFAULT_RATIO):
         raise InfinigenError("--ratio sweeps random artifacts (--shape); with --model the artifact sets it")
     batches, lengths = parse_list(batch, "--batch", int), parse_list(prompt_len, "--prompt-len", int)
-    pairs = _sizes(sizes) if sizes is not None else [(batches, lengths)]
+    pairs = auto_batch.parse_sizes(sizes) if sizes is not None else [(batches, lengths)]
     modes, ratios = parse_list(graphs, "--graphs", str), parse_list(ratio, "--ratio")
     contexts = parse_list(micro_contexts, "--micro-contexts", int)
     device = resolve_device(device)
@@ -162,12 +164,13 @@ def bench(
     grid = settings_grid(runtime)
     chunk = prefill_chunk or None
     subject_config = model_config(model) if model is not None else shape_config(shape, layers)
-    pairs, throughput = _auto_batches(pairs, grid, subject_config, dtype, device, budget, chunk)
+    pairs, throughput = auto_batch.resolve(pairs, grid, subject_config, dtype, device, budget, chunk)
     cases = [
         case
         for b, n in pairs
         for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios, prefill_chunk=chunk)
     ]
+    cases = auto_batch.baselines_at_their_batch(cases, throughput, subject_config, dtype, device, budget)
     streamed = _streamed(subject_config, dtype, device, budget, cases)
     planned = {(e["batch"], e["context"]): e["streamed_layers"] for e in throughput}  # the auto batches' counts
     for i, c in enumerate(cases):  # one load: every case of ours runs with its layers (its plan counts them)
@@ -222,7 +225,7 @@ def bench(
         results = [_with_bound(row, bandwidth) for row in results]
     report |= {"results": results, "breakdown": split_rows}
     if throughput:
-        report["throughput_plan"] = [_measured_run(plan, results) for plan in throughput]
+        report["throughput_plan"] = [auto_batch.measured_run(plan, results) for plan in throughput]
     if profiles:
         report["profiles"] = _profiled(subject, artifacts, cases, profiles, as_json)
     if plot is not None:
@@ -230,70 +233,6 @@ def bench(
     if not printed_json(report, as_json):
         _print_bench(report)
         _print_profiles(report.get("profiles", []))
-
-
-AUTO = 0  # a --sizes batch the throughput plan chooses
-# the new tokens an auto batch is planned for (the paper's generation length), whatever the steps timed: the
-# plan weighs the prefill against them
-AUTO_NEW_TOKENS = 128
-
-
-def _sizes(text: str) -> list[tuple[list[int], list[int]]]:
-    """--sizes 8x16384,1x131072 -> [([8], [16384]), ([1], [131072])]: each pair a sweep of its own; a batch
-    ``auto`` is ``AUTO`` until the throughput plan sets it (``_auto_batches``)."""
-    pairs = []
-    for pair in text.split(","):
-        parts = [part.strip() for part in pair.lower().split("x")]
-        auto = parts[:1] == ["auto"]
-        if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts[auto:]):
-            raise InfinigenError(
-                f"--sizes takes comma-separated BATCHxCONTEXT pairs (8x16384, autox1920), got {text!r}"
-            )
-        pairs.append(([AUTO if auto else int(parts[0])], [int(parts[1])]))
-    return pairs
-
-
-def _auto_batches(pairs: list, grid: list[dict], subject_config, dtype: str, device: str, budget, chunk):
-    """``pairs`` with each ``auto`` batch set by the throughput plan (``memory.throughput``) for the grid's
-    first policy of ours, at the pair's context, and what the plan estimated (the report's ``throughput``)."""
-    import torch
-
-    from infinigen.models import parse_dtype
-    from infinigen.runtime.config import config_from
-    from infinigen.runtime.memory import plan as memory
-    from infinigen.runtime.memory.throughput import best_batch, measured_rates
-    from infinigen.runtime.selection.policies import POLICIES
-
-    if not any(AUTO in batches for batches, _ in pairs):
-        return pairs, []
-    ours = next((row for row in grid if row["policy"] in POLICIES), None)
-    torch_dtype = parse_dtype(dtype, device)
-    rates = measured_rates(torch.device(device), torch_dtype)
-    if ours is None or rates is None or budget is None:
-        raise InfinigenError("an auto batch needs a policy of ours, a CUDA device and a GPU budget to plan for")
-    model, config = memory.model_of(subject_config, torch_dtype), config_from(ours)
-    resolved, estimates = [], []
-    for batches, (context,) in pairs:
-        if AUTO in batches:
-            work = memory.Workload(1, context, AUTO_NEW_TOKENS, chunk)
-            best, _ = best_batch(model, torch_dtype, work, config, budget, rates)
-            if best is None:
-                raise InfinigenError(f"auto batch at context {context}: not even one row fits the GPU budget")
-            batches = [best.batch if b == AUTO else b for b in batches]
-            estimates.append({"policy": ours["policy"], "context": context} | best.estimates() | {"rates": vars(rates)})
-        resolved.append((batches, [context]))
-    return resolved, estimates
-
-
-def _measured_run(plan: dict, results: list[dict]) -> dict:
-    """An auto batch's plan beside what its row measured, over the run it was planned for (its prefill and
-    ``AUTO_NEW_TOKENS`` steps at the measured step): the estimate's check."""
-    key = (plan["policy"], plan["batch"], plan["context"])
-    row = next((r for r in results if (r["policy"], r["batch"], r["prompt_len"]) == key), None)
-    if row is None or row.get("ms_per_step") is None:
-        return plan
-    run_s = row["prefill_s"] + AUTO_NEW_TOKENS * row["ms_per_step"] / 1e3
-    return plan | {"measured_tokens_per_s": round(plan["batch"] * AUTO_NEW_TOKENS / run_s, 1)}
 
 
 def _with_bound(row: dict, bandwidth_gb_s: float) -> dict:
