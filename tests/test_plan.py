@@ -340,6 +340,7 @@ def test_a_loaded_models_streamed_layers_are_not_counted_against_the_host_twice(
 
 def test_plan_command_json_and_table(monkeypatch):
     args = ["--shape", "llama-3-8b", "--gpu-memory-gb", "24", "--batch", "1", "--context", "131072", "--json"]
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 128 * 10**9)  # the GPU machine's host
     result = invoke("plan", *args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -348,6 +349,19 @@ def test_plan_command_json_and_table(monkeypatch):
     capacity = {row["policy"]: row for row in report["capacity"]}
     assert capacity["infinigen"]["largest_context"] >= 8 * capacity["dense"]["largest_context"]
     assert capacity["infinigen"]["largest_tokens"] >= 8 * capacity["hf-dynamic"]["largest_tokens"]
+    # the host memory bounds it too: a smaller host, a shorter context (its pool), the GPU-resident cache as it was
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 32 * 10**9)
+    smaller = {row["policy"]: row for row in json.loads(invoke("plan", *args).stdout)["capacity"]}
+    assert smaller["infinigen"]["largest_context"] < capacity["infinigen"]["largest_context"]
+    pool = memory.plan(
+        memory.model_of(shape_config("llama-3-8b"), torch.bfloat16),
+        torch.bfloat16,
+        memory.Workload(1, smaller["infinigen"]["largest_context"] + 1024, 128, 4096),
+        RuntimeConfig(gpu_memory_gb=24),
+        memory.budget_bytes(24, torch.device("cpu")),
+    )
+    assert not memory.fits_host(pool) and smaller["hf-dynamic"] == capacity["hf-dynamic"]
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 128 * 10**9)
     names = {p["part"] for p in report["parts"]}
     assert {"weights", "decode: resident rows", "CPU KV pool", "prefill: attention mask"} <= names
     # 32 chunks of 4,096, each after the first reading the earlier ones' rows again: about half the pool each

@@ -126,7 +126,8 @@ def _plan_report(found) -> dict:
 
 def _capacity(subject, dtype, work, config, budget) -> list[dict]:
     """Per policy, the largest context at this batch and the largest batch at this context within the
-    budget (the plan's own shedding allowed), by bisection over the plan."""
+    budget and the host memory available now (a pool or streamed weights it cannot hold do not run; the
+    plan's own shedding allowed), by bisection over the plan."""
     from dataclasses import replace
 
     from infinigen.bench.hf_memory import hf_plan
@@ -141,8 +142,10 @@ def _capacity(subject, dtype, work, config, budget) -> list[dict]:
         def fits(batch: int, context: int, name=name) -> bool:
             workload = replace(work, batch=batch, context=context)
             if name.startswith("hf-"):  # transformers' caches: an estimate of what they take
-                return hf_plan(subject, dtype, workload, name, budget).fits
-            return memory.plan(subject, dtype, workload, replace(config, policy=name), budget).fits
+                found = hf_plan(subject, dtype, workload, name, budget)
+            else:
+                found = memory.plan(subject, dtype, workload, replace(config, policy=name), budget)
+            return found.fits and memory.fits_host(found)
 
         context = memory.largest(lambda n, fits=fits: fits(work.batch, n), 1, limit)
         batch = memory.largest(lambda n, fits=fits: fits(n, work.context), 1, 4096)
@@ -212,6 +215,7 @@ def _print(report: dict) -> None:
     if report["capacity"]:
         columns = {"policy": "policy", "largest context": "largest_context", "largest batch": "largest_batch"}
         columns["tokens (batch x context)"] = "largest_tokens"
-        print_rows(f"within {report['budget_gb']} GB", columns, report["capacity"])
+        host = "" if report["host_available_gb"] is None else f" and {report['host_available_gb']} GB of host memory"
+        print_rows(f"within {report['budget_gb']} GB of GPU{host}", columns, report["capacity"])
     if "refusal" in report:
         print_pairs("does not fit", {"why": report["refusal"]})
