@@ -75,7 +75,7 @@ def measured_run(plan: dict, results: list[dict]) -> dict:
 
 def baselines_at_their_batch(cases: list, throughput: list[dict], subject_config, dtype: str, device: str, budget):
     """``cases`` with each accelerate baseline of an auto size at its own best batch (``accelerate_batch``)
-    instead of the plan's for ours; one no batch fits keeps it (its row says it does not fit)."""
+    instead of the plan's for ours; where not even one row fits, the case keeps its batch (its row says so)."""
     auto = {(entry["batch"], entry["context"]) for entry in throughput}
     model, torch_dtype = memory.Model(subject_config, 0), parse_dtype(dtype, device)
     for i, case in enumerate(cases):

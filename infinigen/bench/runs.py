@@ -373,24 +373,20 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
     error is their row), but the offloaded one's host memory is checked: the host's out-of-memory killer
     would end the whole run, not the case."""
     work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
-    if case.policy in ACCELERATED:  # its weights: the budget less its KV and workspace (its best split)
-        subject, dtype, cache = memory.Model(model.config, 0), next(model.parameters()).dtype, ACCELERATED[case.policy]
-        found = hf_plan(subject, dtype, work, cache)
+    subject, dtype = memory.Model(model.config, 0), next(model.parameters()).dtype
+    if not case.ours:  # transformers' cache, or the one an accelerate baseline runs
+        found = hf_plan(subject, dtype, work, ACCELERATED.get(case.policy, case.policy))
         if not memory.fits_host(found):
             return case, case_settings(case) | {"error": _host_error(found)}, {}
-        if budget is None:
+        if case.policy not in ACCELERATED or budget is None:
             return case, None, {}
-        room = accelerate_weight_room(subject, dtype, work, cache, budget)
+        # its weights: the budget less its KV and workspace (its best split)
+        room = accelerate_weight_room(subject, dtype, work, ACCELERATED[case.policy], budget)
         if room <= 0:
             need = memory.gb(found.peak_gpu)
             error = f"does not fit: DynamicCache's KV and workspace alone need {need} GB of the budget"
             return case, case_settings(case) | {"error": error}, {}
         return replace(case, accelerate_gpu_bytes=room), None, {"accelerate_gpu_weights_gb": memory.gb(room)}
-    if not case.ours:
-        found = hf_plan(memory.Model(model.config, 0), next(model.parameters()).dtype, work, case.policy)
-        if memory.fits_host(found):
-            return case, None, {}
-        return case, case_settings(case) | {"error": _host_error(found)}, {}
     found = memory.plan_for(model, case.config, work, budget)
     said = {"planned_peak_gpu_gb": memory.gb(found.peak_gpu), "given_up": "; ".join(found.shed) or None}
     if why := memory.why_not(found):
