@@ -19,7 +19,16 @@ from dataclasses import replace
 import torch
 
 from infinigen.runtime.config import RuntimeConfig
-from infinigen.runtime.memory.plan import MemoryPlan, Model, Part, Workload, sdpa_bias_bytes
+from infinigen.runtime.memory.plan import (
+    CUBLAS_WORKSPACE,
+    SLACK,
+    MemoryPlan,
+    Model,
+    Part,
+    Workload,
+    largest,
+    sdpa_bias_bytes,
+)
 
 
 def hf_plan(model: Model, dtype: torch.dtype, work: Workload, name: str, budget: int | None = None) -> MemoryPlan:
@@ -49,8 +58,6 @@ def hf_plan(model: Model, dtype: torch.dtype, work: Workload, name: str, budget:
 def accelerate_weight_room(model: Model, dtype: torch.dtype, work: Workload, name: str, budget: int) -> int:
     """The GPU bytes accelerate may give weights (``max_memory``) beside transformers' cache ``name`` (its KV
     and workspace, ``hf_plan``) within ``budget``: at most 0 where the cache alone fills it."""
-    from infinigen.runtime.memory.plan import CUBLAS_WORKSPACE, SLACK
-
     return int(budget / (1 + SLACK)) - hf_plan(model, dtype, work, name).peak_gpu - CUBLAS_WORKSPACE
 
 
@@ -62,12 +69,4 @@ def accelerate_batch(model: Model, dtype: torch.dtype, work: Workload, name: str
     def fits(batch: int) -> bool:
         return accelerate_weight_room(model, dtype, replace(work, batch=batch), name, budget) > 0
 
-    if not fits(1):
-        return None
-    low, high = 1, 2
-    while fits(high):
-        low, high = high, 2 * high
-    while high - low > 1:  # fits(low), not fits(high)
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return largest(fits, 1, 4096) or None  # 4,096: as ``infinigen plan``'s largest batch

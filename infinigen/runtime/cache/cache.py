@@ -37,11 +37,11 @@ from infinigen.runtime.selection.allocation import offloaded_budgets
 from infinigen.runtime.selection.policies import Selection, make_policy, row_bits, supported_policy
 from infinigen.runtime.selection.speculation import LayerSpeculator
 from infinigen.runtime.streams import side_stream
-from infinigen.runtime.weights import streamed_weights, weights_for_run
+from infinigen.runtime.weights import StreamedWeights, streamed_weights, weights_for_run
 from infinigen.tensor_parallel import head_shard
 
 
-def _emptied_then_closed(layers: list, streamed) -> None:
+def _emptied_then_closed(layers: list, streamed: StreamedWeights) -> None:
     """A cache's layers let go (with them its KV on the device), then its streamed weights put back."""
     layers.clear()
     gc.collect()  # a layer's own reference cycles
