@@ -132,10 +132,9 @@ class InfinigenCache(Cache):
         try:
             self.closing_summary = self.summary()
         finally:
+            self.layers.clear()
             if self.streamed is not None:  # the weights it streamed, restored once the layers are gone
                 self.streamed()
-            else:
-                self.layers.clear()
 
     @property
     def closed(self) -> bool:
