@@ -10,6 +10,7 @@ from helpers import greedy, padded_batch
 
 from infinigen.architectures import decoder_layers
 from infinigen.bench.accelerate_offload import accelerate_offloaded
+from infinigen.errors import InfinigenError
 from infinigen.runtime.weights import StreamedWeights, streamed_weights
 
 PROMPTS = [[5, 9, 23, 7, 81, 4], [6, 17, 3, 99]]
@@ -52,6 +53,17 @@ def test_offloaded_modules_decode_as_resident_ones_and_the_model_is_left_as_foun
     again.close()
 
 
+def test_no_room_for_the_first_module_is_an_error_not_a_run_on_the_cpu(device, monkeypatch):
+    """Where accelerate's device map puts every module on the host it would run the model there (no
+    offloading at all): one clear error, and the model as it was found."""
+    model = tiny_model("opt").to(device)
+    before = {name: (p, p.device) for name, p in model.named_parameters()}
+    monkeypatch.setattr("accelerate.utils.infer_auto_device_map", lambda model, max_memory, **k: {"": "cpu"})
+    with pytest.raises(InfinigenError, match="places no module"), accelerate_offloaded(model, torch.device(device), 1):
+        pass
+    assert all(p is before[name][0] and p.device == before[name][1] for name, p in model.named_parameters())
+
+
 def test_an_auto_size_runs_accelerate_at_the_largest_batch_its_cache_leaves_weights_room_for():
     """``--sizes autoxN``: accelerate's baselines run at the largest batch whose cache leaves weights room
     within the budget (their step is the weights' copy: more rows, more tokens/s), others as planned; a
@@ -69,7 +81,10 @@ def test_an_auto_size_runs_accelerate_at_the_largest_batch_its_cache_leaves_weig
         accelerate_weight_room(model, torch.float16, memory.Workload(b, 512, 7, 512), "hf-dynamic", budget)
         for b in (best, best + 1)
     ]
-    assert best > 1 and room[0] > 0 >= room[1]
+    # the input embeddings (50,272 x 7,168 in fp16) are the first module accelerate places: with less room it
+    # maps the whole model to the host and runs it there
+    embeddings = 50272 * 7168 * 2
+    assert best > 1 and room[0] >= embeddings > room[1]
     offloaded = accelerate_batch(model, torch.float16, work, "hf-offloaded", budget)
     assert offloaded > best  # two layers' KV on the GPU, not every layer's
     assert accelerate_batch(model, torch.float16, work, "hf-dynamic", int(5e8)) is None

@@ -60,6 +60,12 @@ def test_the_8b_shape_weights_and_kv_counted_by_hand():
     # keys repeats its KV (each KV head's query group folds into the queries)
     chunked = parts(memory.plan(model, BF16, replace(work, prefill_chunk=1024), config))
     assert chunked["prefill: attention"] == 2 * 32 * 1024 * 128 * (2 * 2 + 2 + 8)
+    # a layer's activations while its attention runs (the residual, its normed copy, the projections before
+    # and after rotary, the output and its projection); the MLP's (the residual, its normed copy, its three)
+    # are larger by less than the attention's workspace, and never live beside it: nothing more is counted
+    assert chunked["prefill: a layer's activations"] == 2 * 1024 * 2 * (4 * h + 2 * (32 + 2 * 8) * 128)
+    assert 2 * 1024 * 2 * (2 * h + 3 * mlp) < chunked["prefill: a layer's activations"] + chunked["prefill: attention"]
+    assert chunked[memory.MLP_BEYOND] == 0
     # two blocks of 4,096 earlier rows staged for a later chunk; 8-bit rows: codes, and the rows they decode to
     assert found["prefill: earlier chunks' blocks"] == 2 * 2 * 8 * 4096 * 2 * 256
     eight = parts(memory.plan(model, BF16, work, replace(config, kv_bits=8)))
@@ -202,7 +208,10 @@ def test_padding_costs_the_prefill_a_mask_and_a_bias(tokenizer):
         plain, padded = (memory.plan(model, BF16, replace(one_shot, padded=p), config) for p in (False, True))
         assert "prefill: attention" not in {p.name for p in plain.parts}
         sdpa = 4 * (3 * heads * context * d * e + copies * context * aligned * e)
-        assert padded.gpu("prefill") - plain.gpu("prefill") == 4 * context * context + sdpa  # the mask, SDPA's
+        # a layer's activations while its attention runs and while its MLP runs: never together
+        attention, mlp = (4 * context * e * n for n in (4 * 4096 + 2 * 48 * d, 2 * 4096 + 3 * 14336))
+        # the mask, and the attention's moment with SDPA's workspace where that outgrows the MLP's
+        assert padded.gpu("prefill") - plain.gpu("prefill") == 4 * context * context + max(attention + sdpa, mlp) - mlp
     chunked = memory.Workload(4, 16384, 8, 4096)
     plain, padded = (memory.plan(model, BF16, replace(chunked, padded=p), config) for p in (False, True))
     blocks = config.prefill_block_tokens
@@ -217,9 +226,9 @@ def test_padding_costs_the_prefill_a_mask_and_a_bias(tokenizer):
 
 def test_the_8b_shape_at_16_x_32k_fits_a_24_gb_card_only_with_every_step_shed(monkeypatch):
     """The capacity the GPU-budget issue asks for on a 24 GB card: 16 x 32K of the 8B shape fits once
-    decoding, the prefill (chunks of 256, blocks no larger), the dense layers (none: layer 0 selects from its
-    own input) and the default 8-bit rows (their scales on the GPU) have all given way; with 512-token chunks
-    it does not."""
+    decoding, the prefill (chunks of 512, blocks no larger), the dense layers (none: layer 0 selects from its
+    own input) and the default 8-bit rows (their scales on the GPU) have all given way; with 1,024-token
+    chunks it does not."""
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
     work = memory.Workload(16, 32768, 8, 4096)
     budget = memory.budget_bytes(24, torch.device("cpu"))
@@ -228,13 +237,13 @@ def test_the_8b_shape_at_16_x_32k_fits_a_24_gb_card_only_with_every_step_shed(mo
     shed = (
         "row reuse off",
         "dense layers: 0",
-        "prefill chunk: 256 tokens",
+        "prefill chunk: 512 tokens",
         "rows: 16-bit (no room for 8-bit rows' scales)",
     )
     assert found.fits and found.shed == shed and found.config.kv_bits == 16
     assert not memory.plan(model, BF16, work, replace(config, kv_bits=8), budget).fits  # 8-bit rows asked: kept
-    assert found.config.prefill_block_tokens == 256
-    monkeypatch.setattr(memory, "SMALLEST_CHUNK", 512)
+    assert found.config.prefill_block_tokens == 512
+    monkeypatch.setattr(memory, "SMALLEST_CHUNK", 1024)
     assert not memory.plan(model, BF16, work, config, budget).fits
 
 

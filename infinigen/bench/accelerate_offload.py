@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from infinigen.errors import InfinigenError
 from infinigen.runtime.weights import StreamedWeights, streamed_weights
 
 
@@ -43,6 +44,10 @@ def accelerate_offloaded(model: nn.Module, device: torch.device, gpu_bytes: int)
         else:  # the device's index (the CPU's 0: the tests' stand-in for a GPU)
             limits = {device.index or 0: gpu_bytes, "cpu": total}
             found = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=model._no_split_modules)
+            if set(found.values()) == {"cpu"}:  # accelerate would run the model on the CPU, not offload it
+                raise InfinigenError(
+                    f"accelerate places no module in {gpu_bytes / 1e9:.2f} GB: every layer would run on the CPU"
+                )
         device_map = {name: "cpu" if where == "cpu" else "gpu" for name, where in found.items()}
         longest_first = sorted(device_map.items(), key=lambda item: -len(item[0]))
         for name, module in model.named_modules(remove_duplicate=False):
@@ -82,6 +87,10 @@ def accelerate_offloaded(model: nn.Module, device: torch.device, gpu_bytes: int)
         for param, home, kept in homes.values():
             if kept is None:
                 param.data = param.data.to(home)
+        # streaming again copies each layer into a new pinned block: an old block must go with its layer, not
+        # wait for this frame (OPT-30B's 60 GB of streamed layers held twice outgrew a 128 GB host)
+        owned.clear()
+        homes.clear()
         if streaming is not None:
             StreamedWeights(model, streaming[0], device, streaming[1])
 

@@ -21,12 +21,14 @@ import torch
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.memory.plan import (
     CUBLAS_WORKSPACE,
+    MLP_BEYOND,
     SLACK,
     MemoryPlan,
     Model,
     Part,
     Workload,
     largest,
+    layer_activations,
     sdpa_bias_bytes,
 )
 
@@ -41,16 +43,17 @@ def hf_plan(model: Model, dtype: torch.dtype, work: Workload, name: str, budget:
     if name == "hf-offloaded":
         parts.append(Part("KV in host memory", "host", spec.n_layers * layer))
     chunk = work.chunk
-    per_token = 2 * model.hidden + max(
-        2 * (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim + 2 * model.hidden, 3 * model.intermediate
-    )
-    parts.append(Part("prefill: a layer's activations", "gpu", batch * chunk * e * per_token, "prefill"))
+    attention, mlp = layer_activations(model, spec.n_heads, spec.n_kv_heads, spec.head_dim, batch * chunk * e)
+    parts.append(Part("prefill: a layer's activations", "gpu", attention, "prefill"))
+    workspace = 0
     if chunk < work.context or work.padded:
         parts.append(Part("prefill: attention mask", "gpu", batch * chunk * work.context, "prefill"))
         repeated = batch * spec.n_heads * work.context * spec.head_dim * 2 * e
         parts.append(Part("prefill: keys and values per query head", "gpu", repeated, "prefill"))
         bias = sdpa_bias_bytes(batch, chunk, work.context, e)
         parts.append(Part("prefill: the mask as a bias", "gpu", bias, "prefill"))
+        workspace = repeated + bias
+    parts.append(Part(MLP_BEYOND, "gpu", max(0, mlp - attention - workspace), "prefill"))
     parts.append(Part("prefill: logits", "gpu", batch * model.vocab * 4, "prefill"))
     return MemoryPlan(name, work, RuntimeConfig(policy="dense"), tuple(parts), budget)
 
@@ -61,12 +64,20 @@ def accelerate_weight_room(model: Model, dtype: torch.dtype, work: Workload, nam
     return int(budget / (1 + SLACK)) - hf_plan(model, dtype, work, name).peak_gpu - CUBLAS_WORKSPACE
 
 
+def accelerate_first_module(model: Model, dtype: torch.dtype) -> int:
+    """The bytes of the first module accelerate places on the GPU, the input embeddings: with less room for
+    weights its device map sends the whole model to the host, and it runs there, not on the GPU."""
+    return model.vocab * model.hidden * dtype.itemsize
+
+
 def accelerate_batch(model: Model, dtype: torch.dtype, work: Workload, name: str, budget: int) -> int | None:
     """The batch with the most tokens/s under accelerate's offloading with cache ``name``: the largest whose
-    cache leaves weights room, None where not even one row fits. A step copies the host-mapped weights (the
-    same for any batch) and, with the offloaded cache, each row's KV: tokens/s grow with the batch."""
+    cache leaves weights room for the input embeddings at least, None where not even one row does. A step
+    copies the host-mapped weights (the same for any batch) and, with the offloaded cache, each row's KV:
+    tokens/s grow with the batch."""
+    first = accelerate_first_module(model, dtype)
 
     def fits(batch: int) -> bool:
-        return accelerate_weight_room(model, dtype, replace(work, batch=batch), name, budget) > 0
+        return accelerate_weight_room(model, dtype, replace(work, batch=batch), name, budget) >= first
 
     return largest(fits, 1, 4096) or None  # 4,096: as ``infinigen plan``'s largest batch

@@ -25,7 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from infinigen.artifacts import Artifact
 from infinigen.bench import ACCELERATED
 from infinigen.bench.accelerate_offload import accelerate_offloaded
-from infinigen.bench.hf_memory import accelerate_weight_room, hf_plan
+from infinigen.bench.hf_memory import accelerate_first_module, accelerate_weight_room, hf_plan
 from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
 from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument
@@ -382,9 +382,12 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
             return case, None, {}
         # its weights: the budget less its KV and workspace (its best split)
         room = accelerate_weight_room(subject, dtype, work, ACCELERATED[case.policy], budget)
-        if room <= 0:
-            need = memory.gb(found.peak_gpu)
-            error = f"does not fit: DynamicCache's KV and workspace alone need {need} GB of the budget"
+        if room < (first := accelerate_first_module(subject, dtype)):
+            error = (
+                f"does not fit: DynamicCache's KV and workspace need {memory.gb(found.peak_gpu)} GB of the budget, "
+                f"leaving accelerate {memory.gb(max(room, 0))} GB of weights, less than the input embeddings "
+                f"({memory.gb(first)} GB): it would run every layer on the CPU"
+            )
             return case, case_settings(case) | {"error": error}, {}
         return replace(case, accelerate_gpu_bytes=room), None, {"accelerate_gpu_weights_gb": memory.gb(room)}
     found = memory.plan_for(model, case.config, work, budget)

@@ -196,15 +196,30 @@ def _prefill_parts(model: Model, work: Workload, config: RuntimeConfig, kv: int,
     attention mask transformers builds over every key (booleans) where the prompt is chunked or padded, and
     the attention's (``attention_workspace``)."""
     batch, chunk, context = work.batch, work.chunk, work.context
-    # the residual and its normed copy, with the attention's projections or the MLP's three (whichever more)
-    per_token = 2 * model.hidden + max(2 * (heads + 2 * kv) * d + 2 * model.hidden, 3 * model.intermediate)
-    activations = batch * chunk * e * per_token
-    parts = [Part("prefill: a layer's activations", "gpu", activations, "prefill")]
+    attention, mlp = layer_activations(model, heads, kv, d, batch * chunk * e)
+    parts = [Part("prefill: a layer's activations", "gpu", attention, "prefill")]
+    workspace = 0
     if chunk < context or work.padded:
         parts.append(Part("prefill: attention mask", "gpu", batch * chunk * context, "prefill"))
-        parts.append(Part("prefill: attention", "gpu", attention_workspace(work, config, heads, d, e), "prefill"))
+        workspace = attention_workspace(work, config, heads, d, e)
+        parts.append(Part("prefill: attention", "gpu", workspace, "prefill"))
+    parts.append(Part(MLP_BEYOND, "gpu", max(0, mlp - attention - workspace), "prefill"))
     parts.append(Part("prefill: logits", "gpu", batch * model.vocab * 4, "prefill"))
     return parts
+
+
+MLP_BEYOND = "prefill: the MLP's activations beyond the attention's"
+
+
+def layer_activations(model: Model, heads: int, kv: int, d: int, token_bytes: int) -> tuple[int, int]:
+    """A decoder layer's activations over a prefill chunk: while its attention runs (the residual and its
+    normed copy, the projections before and after rotary, the output and its projection) and while its MLP
+    runs (the residual and its normed copy, the MLP's three), for ``token_bytes`` (the chunk's tokens times
+    the dtype's bytes). They are never live together, nor are the attention's workspace and the MLP's: the
+    plan takes the larger moment (``MLP_BEYOND``)."""
+    attention = 4 * model.hidden + 2 * (heads + 2 * kv) * d
+    mlp = 2 * model.hidden + 3 * model.intermediate
+    return token_bytes * attention, token_bytes * mlp
 
 
 def attention_workspace(work: Workload, config: RuntimeConfig, heads: int, d: int, e: int) -> int:
