@@ -46,6 +46,32 @@ def test_planned_blocks_come_in_order_and_spares_are_reused_or_freed(device):
     retire([first, second, small], torch.device(device))  # as a pool's finaliser does
 
 
+def test_take_counts_the_time_it_waited_for_blocks_still_being_made(device, monkeypatch):
+    """A first prompt waits for its pool blocks to be pinned: ``waited_s`` (``bench``'s
+    ``host_block_wait_s``) is that wait, not the time the workers spent ahead of it."""
+    import threading
+    import time
+
+    flush_retired(device)
+    real, release = host_memory._new_block, threading.Event()
+
+    def slow(nbytes, where):
+        release.wait()
+        return real(nbytes, where)
+
+    monkeypatch.setattr(host_memory, "_new_block", slow)
+    host = HostBlocks(torch.device(device))
+    host.plan([64, 64])
+    threading.Timer(0.2, release.set).start()
+    first = host.take(64)  # waits until the timer lets the workers finish
+    waited = host.waited_s
+    assert 0.15 <= waited < 5
+    time.sleep(0.05)
+    second = host.take(64)  # made already: no wait to speak of
+    assert host.waited_s - waited < 0.05
+    retire([first, second], torch.device(device))
+
+
 @pytest.mark.cuda
 def test_a_failed_registration_falls_back_to_pinned_memory_and_leaves_no_cuda_error(monkeypatch):
     if not torch.cuda.is_available():

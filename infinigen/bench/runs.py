@@ -9,7 +9,6 @@ process, so every transfer rate can be read as a share of the PCIe limit.
 
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import math
@@ -25,14 +24,12 @@ from transformers import DynamicCache, PreTrainedModel
 from infinigen.artifacts import Artifact
 from infinigen.bench import ACCELERATED
 from infinigen.bench.accelerate_offload import accelerate_offloaded
-from infinigen.bench.hf_memory import accelerate_first_module, accelerate_weight_room, hf_plan
 from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
 from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph, cache_argument
 from infinigen.runtime.config import config_from
 from infinigen.runtime.generation import prefill
 from infinigen.runtime.memory import host_memory
-from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.memory.throughput import host_to_device_gb_s
 from infinigen.runtime.weights import layer_bytes, streamed_weights
 from infinigen.tensor_parallel import together
@@ -268,34 +265,42 @@ def run_case(
     return row | {"accelerate_host_modules": len(on_host), "streamed_weights_mb_per_step": round(crossing / 1e6, 3)}
 
 
+def _peak_and_retries(device: torch.device) -> tuple[int, int]:
+    """The most allocated since the last reset, and the caching allocator's retries so far (each freed its
+    cached blocks, a device sync, to retry an allocation): a run at the edge of its memory."""
+    return torch.cuda.max_memory_allocated(device), torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
 @torch.no_grad()
 def _run_case(
     model: PreTrainedModel, artifact: Artifact | None, case: BenchCase, text_ids: torch.Tensor | None = None
 ) -> dict:
     device = next(model.parameters()).device
+    cuda = device.type == "cuda"
     release_cached_memory(device, keep_pool_blocks=case.ours)
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    retries = _peak_and_retries(device)[1] if cuda else 0
     cache = make_cache(model, artifact, case)
     decoder = Decoder(model, cache, case, text_ids)
     prefill_s = decoder.prefill_seconds()
-    prefill_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    prefill_peak, prefill_retries = _peak_and_retries(device) if cuda else (0, 0)
     # the prefill's re-reads of earlier chunks' rows are not a step's
     prefill_bytes = cache.summary()["bytes_host_to_device"] if case.ours else 0
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_s = decoder.step_seconds()
+    decode_peak, decode_retries = _peak_and_retries(device) if cuda else (0, 0)
     result = case_settings(case) | {
         "prefill_s": round(prefill_s, 3),
         "ms_per_step": round(step_s * 1e3, 2),
         "decode_tok_s": round(case.batch / step_s, 1),
-        "prefill_peak_gpu_gb": round(prefill_peak / 1e9, 2) if device.type == "cuda" else None,
+        "prefill_peak_gpu_gb": round(prefill_peak / 1e9, 2) if cuda else None,
         # the timed steps; the warm-up's peak includes the first pool-block growth (a copy of the
         # growing GPU buffers, once per block of tokens)
-        "decode_peak_gpu_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-        if device.type == "cuda"
-        else None,
-        "warmup_peak_gpu_gb": round(decoder.warmup_peak / 1e9, 2) if device.type == "cuda" else None,
+        "decode_peak_gpu_gb": round(decode_peak / 1e9, 2) if cuda else None,
+        "warmup_peak_gpu_gb": round(decoder.warmup_peak / 1e9, 2) if cuda else None,
+        "alloc_retries": [prefill_retries - retries, decode_retries - prefill_retries] if cuda else None,
     }
     if case.ours:
         stats = cache.summary()
@@ -317,6 +322,7 @@ def _run_case(
             if stats["last_replay_wait_ms"] is None
             else round(stats["last_replay_wait_ms"], 2),
             "cpu_pool_gb": round(stats["cpu_pool_bytes"] / 1e9, 2),
+            "host_block_wait_s": round(cache.host_blocks.waited_s, 3),  # for blocks being pinned (a first cache)
         }
     if (streamed := streamed_weights(model)) is not None:  # every streamed layer crosses at every step
         crossing = sum(layer_bytes(block) for block in streamed.blocks)
@@ -367,84 +373,10 @@ def breakdown(
     }
 
 
-def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) -> tuple[BenchCase, dict | None, dict]:
-    """``case`` as the memory plan runs it, the row of a case the plan refuses (else None), and what the
-    row says of the plan. transformers' caches are not planned on the GPU (where they do not fit, their
-    error is their row), but the offloaded one's host memory is checked: the host's out-of-memory killer
-    would end the whole run, not the case."""
-    work = memory.Workload(case.batch, case.prompt_len, case.warmup + case.gen_len, case.prefill_chunk)
-    subject, dtype = memory.Model(model.config, 0), next(model.parameters()).dtype
-    if not case.ours:  # transformers' cache, or the one an accelerate baseline runs
-        found = hf_plan(subject, dtype, work, ACCELERATED.get(case.policy, case.policy))
-        if not memory.fits_host(found):
-            return case, case_settings(case) | {"error": _host_error(found)}, {}
-        if case.policy not in ACCELERATED or budget is None:
-            return case, None, {}
-        # its weights: the budget less its KV and workspace (its best split)
-        room = accelerate_weight_room(subject, dtype, work, ACCELERATED[case.policy], budget)
-        if room < (first := accelerate_first_module(subject, dtype)):
-            error = (
-                f"does not fit: DynamicCache's KV and workspace need {memory.gb(found.peak_gpu)} GB of the budget, "
-                f"leaving accelerate {memory.gb(max(room, 0))} GB of weights, less than the input embeddings "
-                f"({memory.gb(first)} GB): it would run every layer on the CPU"
-            )
-            return case, case_settings(case) | {"error": error}, {}
-        return replace(case, accelerate_gpu_bytes=room), None, {"accelerate_gpu_weights_gb": memory.gb(room)}
-    found = memory.plan_for(model, case.config, work, budget)
-    said = {"planned_peak_gpu_gb": memory.gb(found.peak_gpu), "given_up": "; ".join(found.shed) or None}
-    if why := memory.why_not(found):
-        return case, case_settings(case) | {"error": why}, said
-    planned = replace(case, planned=memory.cache_settings(found), prefill_chunk=found.workload.prefill_chunk)
-    return planned, None, said
-
-
-def _host_error(found: memory.MemoryPlan) -> str:
-    available = memory.gb(memory.host_available_bytes())
-    return f"does not fit in host memory: its KV needs {memory.gb(found.host)} GB, {available} GB is available"
-
-
 def case_label(case: BenchCase) -> str:
     """A bench case for a progress bar: policy (budget), batch x context."""
     budget = case.runtime.get("budget")
     return f"{case.policy}{'' if budget is None else f' {budget}'}, {case.batch} x {case.prompt_len}"
-
-
-def run_sweep(
-    model: PreTrainedModel,
-    artifacts: dict[float, Artifact | None],
-    cases: list[BenchCase],
-    *,
-    repeat: int = 1,
-    text_ids: torch.Tensor | None = None,
-    split: bool = False,
-    on_case: Callable[[str], None] = lambda label: None,
-    on_row: Callable[[dict], None] = lambda row: None,
-    budget: int | None = None,
-) -> tuple[list[dict], list[dict]]:
-    """Every case (``artifacts``: per ratio), then with ``split`` the ``breakdown`` of the offloaded
-    ones: (result rows, breakdown rows). ``on_case`` hears each case as it starts, ``on_row`` each
-    result row as it finishes. Our cases run as the memory plan under ``budget`` (GPU bytes) has them;
-    one it cannot fit is a row with its reason."""
-    device = next(model.parameters()).device
-    # The first case of a process runs slower (one-time library and autotuning work): an untimed
-    # short run of it goes first.
-    first, refused, _ = planned_case(model, replace(cases[0], gen_len=2, warmup=1), budget)
-    if refused is None:
-        warm = functools.partial(run_case, model, artifacts[first.ratio], first, text_ids)
-        unless_out_of_memory(warm, first, device)
-    rows, splits = [], []
-    for case in cases:
-        on_case(case_label(case))
-        case, refused, planned = planned_case(model, case, budget)
-        row = refused or run_repeated(model, artifacts[case.ratio], case, repeat, text_ids)
-        rows.append(row | planned)
-        on_row(rows[-1])
-    for case in cases if split else []:
-        if case.policy in ("full", "infinigen"):
-            on_case(f"{case_label(case)}, breakdown")
-            step = functools.partial(breakdown, model, artifacts[case.ratio], case, text_ids)
-            splits.append(unless_out_of_memory(step, case, device))
-    return rows, splits
 
 
 @dataclass

@@ -281,7 +281,7 @@ def _run(
     subject, artifacts: dict, cases: list, repeat: int, breakdown: bool, as_json: bool, budget: int | None
 ) -> tuple[list, list]:
     """The sweep, with a progress bar for people or each row on stderr as JSON for machines."""
-    from infinigen.bench.runs import run_sweep
+    from infinigen.bench.sweep import run_sweep
 
     splits = sum(breakdown and case.policy in ("full", "infinigen") for case in cases)
     started = time.perf_counter()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+import time
 import weakref
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -288,6 +289,7 @@ class HostBlocks:
         self.device = device = _indexed(device)
         self.planned: dict[int, deque[Future]] = defaultdict(deque)  # by size, in the order planned
         self.spare: dict[int, list[torch.Tensor]] = defaultdict(list)  # blocks kept for reuse
+        self.waited_s = 0.0  # time ``take`` waited for blocks still being pinned (a first prompt's)
         weakref.finalize(self, _retire_unused, self.spare, self.planned, device)  # when the cache goes
 
     def plan(self, sizes: list[int]) -> None:
@@ -309,9 +311,11 @@ class HostBlocks:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A (nbytes,) uint8 block: the next planned one of this size, else a new one now."""
-        if self.planned[nbytes]:
-            return self.planned[nbytes].popleft().result()
-        return _new_block(nbytes, self.device)
+        start = time.perf_counter()
+        planned = self.planned[nbytes]
+        block = planned.popleft().result() if planned else _new_block(nbytes, self.device)
+        self.waited_s += time.perf_counter() - start
+        return block
 
     def settle(self) -> None:
         """Wait for every planned block (no registration may run while a step is captured) and keep
