@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from infinigen.bench.runs import BenchCase, load_subject, planned_case, run_case, subject_artifacts
+from infinigen.bench.runs import BenchCase, load_subject, run_case, subject_artifacts
+from infinigen.bench.sweep import planned_case
 
 
 def main() -> None:
