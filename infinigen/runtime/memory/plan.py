@@ -21,7 +21,8 @@ needs, each step stated (``MemoryPlan.shed``):
 
 Peaks: parts held through the run (``run``) add up; what the prefill needs (``prefill``: a chunk's
 workspace) and what decoding needs (``decode``: fetched or resident rows, a step's workspace) never
-coexist, so the peak is the held parts plus the larger of the two. The
+coexist, so the peak is the held parts plus the larger of the two (inside a prefill layer, likewise its
+attention's moment and its MLP's: ``layer_activations``). The
 budget is what PyTorch may allocate: a GPU memory size given (``RuntimeConfig.gpu_memory_gb``) less the
 CUDA context, which PyTorch does not count (``CONTEXT_BYTES``), or the device's free memory; beside the
 peak it must hold the allocator's slack (``SLACK``).
