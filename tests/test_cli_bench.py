@@ -278,6 +278,30 @@ def test_bench_goes_on_past_a_case_that_does_not_fit(monkeypatch):
     assert table.exit_code == 0 and "out of GPU memory" in table.stdout
 
 
+def test_the_warm_up_runs_the_first_case_the_plan_accepts_ours_first(monkeypatch):
+    """The untimed warm-up (a process's one-time work) takes the first case the plan accepts, ours before
+    transformers' caches: a refused first case must not leave the next one paying it in its timed run."""
+    import infinigen.bench.sweep
+
+    ran, real_run_case, real_planned = [], infinigen.bench.runs.run_case, infinigen.bench.sweep.planned_case
+
+    def run_case(model, artifact, case, text_ids=None):
+        ran.append((case.policy, case.gen_len))
+        return real_run_case(model, artifact, case, text_ids)
+
+    def planned_case(model, case, budget):
+        if case.policy == "dense":
+            return case, {"policy": "dense", "error": "does not fit"}, {}
+        return real_planned(model, case, budget)
+
+    monkeypatch.setattr(infinigen.bench.runs, "run_case", run_case)
+    monkeypatch.setattr(infinigen.bench.sweep, "planned_case", planned_case)
+    result = bench("--batch 1 --prompt-len 32 --gen-len 3 --policies dense,hf-dynamic,full --json")
+    assert result.exit_code == 0, result.output
+    assert ran == [("full", 2), ("hf-dynamic", 3), ("full", 3)]  # the warm-up, then the sweep's order
+    assert strict_json(result.stdout)["results"][0]["error"] == "does not fit"
+
+
 def test_bench_plot_picks_the_sweeps_of_a_joined_report():
     """A context sweep at batch 1 joined with a batch sweep at 8K plots both sweeps."""
     from infinigen.bench.plots import widest_sweep
