@@ -1,5 +1,5 @@
 """``bench``'s sweep: each case as the memory plan runs it under the GPU budget (or the row saying why it
-cannot run), in one process, after an untimed warm-up of the first."""
+cannot run), in one process, after an untimed warm-up of the first case the plan accepts."""
 
 from __future__ import annotations
 
@@ -72,9 +72,9 @@ def run_sweep(
     device = next(model.parameters()).device
     # The first case of a process runs slower (one-time library and autotuning work, its first pool pinned):
     # an untimed short run goes first, of the first case the plan accepts, ours where there is one (a refused
-    # first case once left 32 x 16K on 40 GB paying it all in its first token: 37.7 s against 25.7)
-    for case in sorted(cases, key=lambda case: not case.ours):
-        first, refused, _ = planned_case(model, replace(case, gen_len=2, warmup=1), budget)
+    # first case must not leave the next to pay it all in its timed prefill)
+    for candidate in sorted(cases, key=lambda case: not case.ours):
+        first, refused, _ = planned_case(model, replace(candidate, gen_len=2, warmup=1), budget)
         if refused is None:
             warm = functools.partial(runs.run_case, model, artifacts[first.ratio], first, text_ids)
             runs.unless_out_of_memory(warm, first, device)
