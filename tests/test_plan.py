@@ -60,9 +60,8 @@ def test_the_8b_shape_weights_and_kv_counted_by_hand():
     # keys repeats its KV (each KV head's query group folds into the queries)
     chunked = parts(memory.plan(model, BF16, replace(work, prefill_chunk=1024), config))
     assert chunked["prefill: attention"] == 2 * 32 * 1024 * 128 * (2 * 2 + 2 + 8)
-    # a layer's activations while its attention runs (the residual, its normed copy, the projections before
-    # and after rotary, the output and its projection); the MLP's (the residual, its normed copy, its three)
-    # are larger by less than the attention's workspace, and never live beside it: nothing more is counted
+    # a layer's activations at its attention (residual, normed copy, projections before and after rotary, output
+    # and its projection); the MLP's exceed them by less than the attention's workspace: nothing more counted
     assert chunked["prefill: a layer's activations"] == 2 * 1024 * 2 * (4 * h + 2 * (32 + 2 * 8) * 128)
     assert 2 * 1024 * 2 * (2 * h + 3 * mlp) < chunked["prefill: a layer's activations"] + chunked["prefill: attention"]
     assert chunked[memory.MLP_BEYOND] == 0
@@ -208,7 +207,6 @@ def test_padding_costs_the_prefill_a_mask_and_a_bias(tokenizer):
         plain, padded = (memory.plan(model, BF16, replace(one_shot, padded=p), config) for p in (False, True))
         assert "prefill: attention" not in {p.name for p in plain.parts}
         sdpa = 4 * (3 * heads * context * d * e + copies * context * aligned * e)
-        # a layer's activations while its attention runs and while its MLP runs: never together
         attention, mlp = (4 * context * e * n for n in (4 * 4096 + 2 * 48 * d, 2 * 4096 + 3 * 14336))
         # the mask, and the attention's moment with SDPA's workspace where that outgrows the MLP's
         assert padded.gpu("prefill") - plain.gpu("prefill") == 4 * context * context + max(attention + sdpa, mlp) - mlp
