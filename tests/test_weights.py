@@ -311,6 +311,24 @@ def test_a_bench_sweep_streams_weights_only_for_what_its_offloading_cases_need()
         _streamed(config, "bfloat16", "cpu", 12 * 10**9, asked)
 
 
+def test_an_auto_batch_loads_with_the_layers_its_throughput_plan_chose():
+    """OPT-30B at 56 x 1,920 on 48 GB: the throughput plan admitted its pool beside 32 streamed layers' weights
+    in host memory; the fewest-bytes plan of the same case streams more, whose weights would leave its pool no
+    room. The model loads with the plan's count, and every case of ours runs with it."""
+    from infinigen.bench.runs import bench_cases
+    from infinigen.bench.shapes import shape_config
+    from infinigen.cli.bench import _streamed, _with_streamed_layers
+
+    config, budget = shape_config("opt-30b"), int(47.37e9)
+    cases = bench_cases([{"policy": "infinigen"}, {"policy": "hf-accelerate"}], [56], [1920], 4)
+    cases += bench_cases([{"policy": "infinigen"}], [4], [1920], 4)
+    assert _streamed(config, "float16", "cpu", budget, cases).streamed_layers > 32
+    plan = [{"batch": 56, "context": 1920, "streamed_layers": 32}]
+    ran, loaded = _with_streamed_layers(list(cases), plan, config, "float16", "cpu", budget)
+    assert loaded.streamed_layers == 32
+    assert [case.config.streamed_layers for case in ran if case.ours] == [32, 32]
+
+
 @pytest.mark.parametrize("layers, count", [(32, 17), (80, 43), (48, 23), (4, 2), (3, 3), (5, 9), (6, 0)])
 def test_streamed_layers_spread_through_the_stack(layers, count):
     """The layers a plan streams: exactly as many as asked (at most all), the last among them, no two runs of

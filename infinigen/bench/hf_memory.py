@@ -29,6 +29,7 @@ from infinigen.runtime.memory.plan import (
     Workload,
     largest,
     layer_activations,
+    model_of,
     sdpa_bias_bytes,
 )
 
@@ -64,20 +65,21 @@ def accelerate_weight_room(model: Model, dtype: torch.dtype, work: Workload, nam
     return int(budget / (1 + SLACK)) - hf_plan(model, dtype, work, name).peak_gpu - CUBLAS_WORKSPACE
 
 
-def accelerate_first_module(model: Model, dtype: torch.dtype) -> int:
-    """The bytes of the first module accelerate places on the GPU, the input embeddings: with less room for
-    weights its device map sends the whole model to the host, and it runs there, not on the GPU."""
-    return model.vocab * model.hidden * dtype.itemsize
+def accelerate_least_room(model: Model, dtype: torch.dtype) -> int:
+    """The least room for weights in which accelerate's device map places a module on the GPU: the first
+    module (the input embeddings) beside the room it keeps for the largest layer it streams there. With less
+    its map sends the whole model to the host, and it runs there, not on the GPU."""
+    return model.vocab * model.hidden * dtype.itemsize + model_of(model.config, dtype).layer_bytes
 
 
 def accelerate_batch(model: Model, dtype: torch.dtype, work: Workload, name: str, budget: int) -> int | None:
     """The batch with the most tokens/s under accelerate's offloading with cache ``name``: the largest whose
-    cache leaves weights room for the input embeddings at least, None where not even one row does. A step
+    cache leaves weights ``accelerate_least_room``, None where not even one row does. A step
     copies the host-mapped weights (the same for any batch) and, with the offloaded cache, each row's KV:
     tokens/s grow with the batch."""
-    first = accelerate_first_module(model, dtype)
+    least = accelerate_least_room(model, dtype)
 
     def fits(batch: int) -> bool:
-        return accelerate_weight_room(model, dtype, replace(work, batch=batch), name, budget) >= first
+        return accelerate_weight_room(model, dtype, replace(work, batch=batch), name, budget) >= least
 
     return largest(fits, 1, 4096) or None  # 4,096: as ``infinigen plan``'s largest batch

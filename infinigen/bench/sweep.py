@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from infinigen.artifacts import Artifact
 from infinigen.bench import ACCELERATED, runs
-from infinigen.bench.hf_memory import accelerate_first_module, accelerate_weight_room, hf_plan
+from infinigen.bench.hf_memory import accelerate_least_room, accelerate_weight_room, hf_plan
 from infinigen.bench.runs import BenchCase
 from infinigen.runtime.memory import plan as memory
 
@@ -32,11 +32,11 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
             return case, None, {}
         # its weights: the budget less its KV and workspace (its best split)
         room = accelerate_weight_room(subject, dtype, work, ACCELERATED[case.policy], budget)
-        if room < (first := accelerate_first_module(subject, dtype)):
+        if room < (least := accelerate_least_room(subject, dtype)):
             error = (
                 f"does not fit: DynamicCache's KV and workspace need {memory.gb(found.peak_gpu)} GB of the budget, "
-                f"leaving accelerate {memory.gb(max(room, 0))} GB of weights, less than the input embeddings "
-                f"({memory.gb(first)} GB): it would run every layer on the CPU"
+                f"leaving accelerate {memory.gb(max(room, 0))} GB of weights, less than the input embeddings and "
+                f"its largest layer ({memory.gb(least)} GB): it would run every layer on the CPU"
             )
             return case, runs.case_settings(case) | {"error": error}, {}
         return replace(case, accelerate_gpu_bytes=room), None, {"accelerate_gpu_weights_gb": memory.gb(room)}

@@ -171,12 +171,7 @@ def bench(
         for case in bench_cases(grid, b, n, gen_len, graphs=modes, ratios=ratios, prefill_chunk=chunk)
     ]
     cases = auto_batch.baselines_at_their_batch(cases, throughput, subject_config, dtype, device, budget)
-    streamed = _streamed(subject_config, dtype, device, budget, cases)
-    planned = {(e["batch"], e["context"]): e["streamed_layers"] for e in throughput}  # the auto batches' counts
-    for i, c in enumerate(cases):  # one load: every case of ours runs with its layers (its plan counts them)
-        count = streamed.streamed_layers if streamed is not None else planned.get((c.batch, c.prompt_len))
-        if c.ours and count is not None and (streamed is not None or c.config.streamed_layers is None):
-            cases[i] = replace(c, runtime=c.runtime | {"streamed_layers": count})  # else an auto batch its plan's
+    cases, streamed = _with_streamed_layers(cases, throughput, subject_config, dtype, device, budget)
     text = None if text is None else str(text)
     subject = load_subject(shape, model, artifact, text, device, dtype, layers, streamed)
     loaded_s = time.perf_counter() - start
@@ -259,6 +254,24 @@ def _occupied(gpu_memory_gb: float | None, device: str):
     from infinigen.bench.occupy import Occupier
 
     return Occupier(gpu_memory_gb, device)
+
+
+def _with_streamed_layers(cases: list, throughput: list[dict], subject_config, dtype: str, device: str, budget):
+    """``cases`` with the layers each case of ours streams, and the settings the model loads with (``_streamed``):
+    an auto batch streams as many layers as the throughput plan chose it with (the host memory the plan
+    admitted is its pool beside those layers' weights; with more layers in host memory its pool may not fit)."""
+    streamed = _streamed(subject_config, dtype, device, budget, cases)
+    planned = {(e["batch"], e["context"]): e["streamed_layers"] for e in throughput}
+    for i, c in enumerate(cases):
+        if c.ours and c.config.streamed_layers is None and (c.batch, c.prompt_len) in planned:
+            cases[i] = replace(c, runtime=c.runtime | {"streamed_layers": planned[(c.batch, c.prompt_len)]})
+    if streamed is None:  # the weights fit: each case's layers move out for its run alone
+        return cases, None
+    streamed = _streamed(subject_config, dtype, device, budget, cases)  # one load: the auto batch's count
+    for i, c in enumerate(cases):  # every case of ours runs with its layers (its plan counts them)
+        if c.ours:
+            cases[i] = replace(c, runtime=c.runtime | {"streamed_layers": streamed.streamed_layers})
+    return cases, streamed
 
 
 def _streamed(subject_config, dtype: str, device: str, budget, cases: list):
