@@ -166,7 +166,7 @@ def test_shedding_follows_the_documented_order(kv_bits):
     config = RuntimeConfig(streamed_layers=0, kv_bits=kv_bits)  # streamed weights, the last resort: below
     kept = [(extra, bits) for extra in (2.0, 1.0, 0.0) for bits in ((16, 8) if kv_bits == 8 else (16,))]
     decoding = {**{(True, *setting): i for i, setting in enumerate(kept)}, (False, 0.0, 16): len(kept)}
-    states = []
+    states, ahead = [], []
     for budget in range(memory.plan(model, BF16, work, config).needed_gpu, model.weight_bytes, -25_000_000):
         found = memory.plan(model, BF16, work, config, budget)
         if not found.fits:
@@ -183,9 +183,13 @@ def test_shedding_follows_the_documented_order(kv_bits):
         said += ["rows kept on the GPU: 8-bit"] * (found.reuse and bits == 8) + ["row reuse off"] * (not found.reuse)
         said += [f"dense layers: {found.config.dense_layers}"] * (state[0] > 0)
         said += [f"prefill chunk: {found.workload.prefill_chunk} tokens"] * (state[2] > 1)
+        # fetching ahead (speed alone) is kept only where the settings above leave it room
+        said += ["prefill: no layer's blocks fetched ahead"] * (not found.config.prefill_fetch_ahead)
         assert list(found.shed) == said
         states.append(state)
+        ahead.append(found.config.prefill_fetch_ahead)
     assert states == sorted(states), "a smaller budget never gets back what a larger one gave up"
+    assert ahead[0] and not all(ahead)
     reached = {s[1] for s in states}
     assert reached == set(range(len(kept) + 1)) if kv_bits == 16 else {0, 1, len(kept) - 1, len(kept)} <= reached
     assert max(s[2] for s in states) >= 4 and states[-1][0] == 2
@@ -237,6 +241,7 @@ def test_the_8b_shape_at_16_x_32k_fits_a_24_gb_card_only_with_every_step_shed(mo
         "dense layers: 0",
         "prefill chunk: 512 tokens",
         "rows: 16-bit (no room for 8-bit rows' scales)",
+        "prefill: no layer's blocks fetched ahead",
     )
     assert found.fits and found.shed == shed and found.config.kv_bits == 16
     assert not memory.plan(model, BF16, work, replace(config, kv_bits=8), budget).fits  # 8-bit rows asked: kept

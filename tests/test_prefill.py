@@ -61,6 +61,45 @@ def test_chunked_prefill_reads_rows_as_the_gather_would(tokenizer, policy, setti
     assert (0, 5) in reads and (5, 8) in reads and (15, 16) in reads, "the chunks read the pool 5 slots at a time"
 
 
+@pytest.mark.parametrize("policy,settings", [("full", {}), ("infinigen", {"kv_bits": 8}), ("int4", {})])
+def test_a_later_chunk_attends_to_blocks_fetched_during_the_layer_before(
+    tokenizer, policy, settings, device, monkeypatch
+):
+    """Once a layer's own block copies are queued, the next offloaded layer's earlier blocks are (each in
+    memory of its own): that layer attends over them instead of staging its own, with the same logits as
+    without fetching ahead. Only a layer after an offloaded one is fetched for, once per later chunk."""
+    from infinigen.runtime.cache import attention
+
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(5)).tolist() for n in (13, 23)]
+    inputs = padded_batch(prompts, pad=1, device=device)
+    fetched, staged = [], []  # (layer, end) of each layer's blocks fetched ahead / staged as it attends
+
+    def recorded(calls: list, read):
+        return lambda cache, layer, end: calls.append((layer.index, end)) or read(cache, layer, end)
+
+    monkeypatch.setattr(attention, "fetch_ahead", recorded(fetched, attention.fetch_ahead))
+    monkeypatch.setattr(attention, "_staged", recorded(staged, attention._staged))
+
+    def generated(ahead: bool) -> tuple[torch.Tensor, list[int]]:  # every step's logits, the offloaded layers
+        options = {"prefill_block_tokens": 5, "prefill_fetch_ahead": ahead, "dense_layers": 1, **settings}
+        cache = cache_for(model, artifact, policy=policy, **options)
+        kwargs = {cache_argument(model): cache, "prefill_chunk_size": 8, "pad_token_id": 1}
+        out = model.generate(
+            **inputs, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs
+        )
+        offloaded = [layer.index for layer in cache.layers if hasattr(layer, "pool")]
+        return torch.stack(out.logits), offloaded
+
+    behind, offloaded = generated(False)
+    assert not fetched and staged == [(i, end) for end in (8, 16) for i in offloaded]
+    staged.clear()
+    ahead, _ = generated(True)
+    assert torch.equal(ahead, behind), "the same logits"
+    assert staged == [(offloaded[0], 8), (offloaded[0], 16)] and len(offloaded) > 1
+    assert fetched == [(i, end) for end in (8, 16) for i in offloaded[1:]]
+
+
 def test_later_chunks_mask_only_the_blocks_that_hold_padding(tokenizer, device, monkeypatch):
     """A left-padded batch (prompts of 13 and 23 tokens: 10 padding keys) in 8-token chunks, read back 5
     rows a block: the blocks before the padding's end carry the mask, the rest none (the flash kernel on

@@ -96,6 +96,13 @@ class RuntimeConfig:
     prefill_block_tokens: int = option(
         4096, "A later prefill chunk attends to the earlier chunks' KV this many tokens at a time.", cli=False
     )
+    # the next offloaded layer's earlier blocks, all of them, queued as soon as this layer's are: held on the
+    # GPU through the layer between (the plan keeps them only where its budget has room left)
+    prefill_fetch_ahead: bool = option(
+        True,
+        "A later prefill chunk fetches the next layer's earlier KV while this layer computes, where it fits.",
+        applies_to=("offloads",),
+    )
     cuda_graphs: bool = option(
         True, "On CUDA, replay decode steps (or each layer's selection) from CUDA graphs.", cli=False
     )

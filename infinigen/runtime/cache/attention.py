@@ -164,37 +164,16 @@ def _past_and_chunk(cache, layer, key, value, mask, past: int) -> Iterator[chunk
 
 
 def pool_blocks(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Keys and values (B, kv_heads, n, d) of slots 0 .. end-1, ``prefill_block_tokens`` at a time,
-    for a later prefill chunk's attention (``kernels.chunk_attention``): each block copied from the
-    pool into one of two staging buffers on the transfer stream, the next block's copy queued before
-    the current one is attended, so copies run beside the attention. The workspace is two blocks,
-    never the layer's whole KV."""
-    pool, tokens = layer.pool, cache.config.prefill_block_tokens
-    # the step's own, freed with it (a prefill's workspace, not the decode's)
-    staged = [cache.on_both_streams(pool.new_block(tokens)) for _ in (0, 1)]
-    released: list[torch.cuda.Event | None] = [None, None]  # compute-stream events: done reading a buffer
+    """Keys and values (B, kv_heads, n, d) of slots 0 .. end-1, ``prefill_block_tokens`` at a time, for a
+    later prefill chunk's attention (``kernels.chunk_attention``). The blocks come from the pool on the
+    transfer stream: fetched ahead during the previous layer (``fetch_ahead``), else through two staging
+    buffers, the next block's copy queued before the current one is attended. Once this layer's copies
+    are queued, the next layer's are (where the plan has room for them): an attention reads its blocks
+    far faster than the bus brings them, and the previous layer's MLP hides them."""
     cache.count_fetch(layer, end, step=False)
-    if cache.stream is not None:  # the buffers' memory may have served queued compute work
-        cache.stream.wait_stream(torch.cuda.current_stream(cache.device))
-
-    def copied(lo: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        hi, which = min(end, lo + tokens), (lo // tokens) % 2
-        if cache.stream is None:
-            return pool.read_rows(lo, hi, staged[which], layer.dtype), None
-        if released[which] is not None:
-            cache.stream.wait_event(released[which])
-        compute = torch.cuda.current_stream(cache.device)
-        with torch.cuda.stream(cache.stream):
-            part = pool.read_rows(lo, hi, staged[which], layer.dtype)
-            ready = cache.stream.record_event()
-        part.record_stream(compute)  # 8-bit rows: decoded into memory of the transfer stream's
-        return part, ready
-
-    pending = copied(0)
-    for lo in range(0, end, tokens):
-        part, ready = pending
-        if lo + tokens < end:
-            pending = copied(lo + tokens)
+    ahead, layer.fetched_ahead = layer.fetched_ahead, None
+    blocks = ahead[1] if ahead is not None and ahead[0] == end else _staged(cache, layer, end)
+    for part, ready in blocks:
         if ready is not None:
             torch.cuda.current_stream(cache.device).wait_event(ready)
         rows = part.transpose(2, 3)  # (B, kv_heads, 2, n, width)
@@ -203,8 +182,60 @@ def pool_blocks(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.
             layer.policy.codec.decode(rows, decoded)
             rows = decoded
         yield rows[:, :, 0], rows[:, :, 1]
-        if cache.stream is not None:
+    following = cache.layers[layer.index + 1] if layer.index + 1 < len(cache.layers) else None
+    if cache.config.prefill_fetch_ahead and isinstance(following, OffloadedLayer) and following.past_ahead(end):
+        following.fetched_ahead = (end, fetch_ahead(cache, following, end))
+
+
+def _staged(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.Tensor, torch.cuda.Event | None]]:
+    """Slots 0 .. end-1 a block at a time through two staging buffers (the workspace: two blocks, never the
+    layer's whole KV), with the transfer stream's event that each block is in."""
+    pool, tokens = layer.pool, cache.config.prefill_block_tokens
+    # the step's own, freed with it (a prefill's workspace, not the decode's)
+    staged = [cache.on_both_streams(pool.new_block(tokens)) for _ in (0, 1)]
+    released: list[torch.cuda.Event | None] = [None, None]  # compute-stream events: done reading a buffer
+    if cache.stream is not None:  # the buffers' memory may have served queued compute work
+        cache.stream.wait_stream(torch.cuda.current_stream(cache.device))
+
+    def copied(lo: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        which = (lo // tokens) % 2
+        if released[which] is not None:
+            cache.stream.wait_event(released[which])
+        return _read(cache, layer, lo, min(end, lo + tokens), staged[which])
+
+    pending = copied(0)
+    for lo in range(0, end, tokens):
+        current = pending
+        if lo + tokens < end:
+            pending = copied(lo + tokens)
+        yield current
+        if cache.stream is not None:  # its attention is queued: the buffer is free once that has run
             released[(lo // tokens) % 2] = torch.cuda.current_stream(cache.device).record_event()
+
+
+def fetch_ahead(cache, layer: OffloadedLayer, end: int) -> list[tuple[torch.Tensor, torch.cuda.Event | None]]:
+    """Every block of slots 0 .. end-1, their copies queued now on the transfer stream (each block in memory
+    of its own: the plan's ``prefill: the next layer's earlier blocks``). 8-bit rows are dequantised into
+    new memory as they arrive, so one staging buffer serves all their codes."""
+    pool, tokens = layer.pool, cache.config.prefill_block_tokens
+    if cache.stream is not None:  # new memory may have served queued compute work
+        cache.stream.wait_stream(torch.cuda.current_stream(cache.device))
+    shared = cache.on_both_streams(pool.new_block(tokens)) if pool.kv_bits == 8 else None
+    spans = [(lo, min(end, lo + tokens)) for lo in range(0, end, tokens)]
+    staged = (shared if shared is not None else cache.on_both_streams(pool.new_block(hi - lo)) for lo, hi in spans)
+    return [_read(cache, layer, lo, hi, buffer) for (lo, hi), buffer in zip(spans, staged, strict=True)]
+
+
+def _read(cache, layer: OffloadedLayer, lo: int, hi: int, staged: torch.Tensor):
+    """Slots lo .. hi-1 from the pool into ``staged``, on the transfer stream where there is one: the rows
+    (B, kv_heads, n, 2, width) and the event that they are in (None off CUDA)."""
+    if cache.stream is None:
+        return layer.pool.read_rows(lo, hi, staged, layer.dtype), None
+    with torch.cuda.stream(cache.stream):
+        part = layer.pool.read_rows(lo, hi, staged, layer.dtype)
+        ready = cache.stream.record_event()
+    part.record_stream(torch.cuda.current_stream(cache.device))  # 8-bit rows: decoded into the stream's memory
+    return part, ready
 
 
 AttentionInterface.register(ATTENTION, infinigen_attention)

@@ -67,6 +67,11 @@ class DenseLayer(_Layer):
         self.valid = torch.zeros(key_states.shape[0], 1, 0, dtype=torch.bool, device=key_states.device)
         self.is_initialized = True
 
+    def past_ahead(self, end: int) -> bool:
+        """Whether this layer's next multi-token step will read slots 0 .. end-1 from its pool (a later
+        prefill chunk's, this layer not yet reached), so they may be fetched ahead."""
+        return self.pool is not None and not self.policy.observes_attention and self.used == self.length == end
+
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
@@ -181,6 +186,8 @@ class OffloadedLayer(_Layer):
         self.captured_counts: tuple[torch.Tensor | int | None, torch.Tensor | int | None] = (None, None)
         self.resident: ResidentRows | None = None  # with row reuse: the rows kept on the GPU
         self.past = 0  # a multi-token step: the earlier tokens its attention reads from the pool
+        # a prefill chunk's earlier tokens, their blocks' copies queued during the previous layer: (past, blocks)
+        self.fetched_ahead: tuple[int, list] | None = None
         self.stats = LayerStats()
 
     # --- transformers' layer interface -------------------------------------------------------
@@ -250,6 +257,11 @@ class OffloadedLayer(_Layer):
             return key_states, value_states
         rows = past.rows[:, :, :, :-1]
         return torch.cat([rows[:, :, 0], key_states], dim=2), torch.cat([rows[:, :, 1], value_states], dim=2)
+
+    def past_ahead(self, end: int) -> bool:
+        """Whether this layer's next multi-token step will read slots 0 .. end-1 from its pool (a later
+        prefill chunk's, this layer not yet reached), so they may be fetched ahead."""
+        return self.pool is not None and not self.policy.observes_attention and self.used == self.length == end
 
     @property
     def capacity(self) -> int:
@@ -376,7 +388,7 @@ class OffloadedLayer(_Layer):
 
     def _update_decode(self, key_states, value_states):
         fetched = self.fetched if self.fetched is not None else self.cache.fetch(self, self.every_slot())
-        self.fetched = None
+        self.fetched, self.fetched_ahead = None, None  # a prefill's blocks no attention took: not held on
         self.attended_fetch = fetched
         # The token's own work runs while the rows still move: its row beside them (the last position,
         # which no move writes) and its store, once the selection has read what the store changes. A

@@ -17,15 +17,16 @@ needs, each step stated (``MemoryPlan.shed``):
   most of the above that then fits;
 - then, where ``kv_bits`` is the default, 16-bit rows (8-bit ones keep a scale per row on the GPU);
 - only where nothing fits, weights streamed from host memory, with the settings of the fewest bytes over
-  the run (``streaming``).
+  the run (``streaming``);
+- last, where the settings chosen leave room: a later prefill chunk's fetch of the next layer's earlier
+  KV during this layer (``prefill_fetch_ahead``: speed alone, so nothing else is given up for it).
 
 Peaks: parts held through the run (``run``) add up; what the prefill needs (``prefill``: a chunk's
 workspace) and what decoding needs (``decode``: fetched or resident rows, a step's workspace) never
 coexist, so the peak is the held parts plus the larger of the two (inside a prefill layer, likewise its
-attention's moment and its MLP's: ``layer_activations``). The
-budget is what PyTorch may allocate: a GPU memory size given (``RuntimeConfig.gpu_memory_gb``) less the
-CUDA context, which PyTorch does not count (``CONTEXT_BYTES``), or the device's free memory; beside the
-peak it must hold the allocator's slack (``SLACK``).
+attention's moment and its MLP's: ``layer_activations``). The budget is what PyTorch may allocate: a GPU
+memory size given (``RuntimeConfig.gpu_memory_gb``) less the CUDA context, which PyTorch does not count
+(``CONTEXT_BYTES``), or the device's free memory; beside the peak it must hold the allocator's slack (``SLACK``).
 """
 
 from __future__ import annotations
@@ -60,10 +61,9 @@ STREAMED_WEIGHTS = "weights: streamed layers"  # the host part of the layers str
 SLACK = 0.05  # of the planned peak: blocks the caching allocator holds but cannot hand out
 CONTEXT_BYTES = 600 * 2**20  # the CUDA context and its libraries, outside PyTorch's allocator
 CHUNK = 4096  # the prefill chunk the plan turns to when a one-shot prefill does not fit
-# cuBLAS takes a workspace from PyTorch's allocator for each stream that runs a matmul, at its first matmul,
-# and holds it: torch's default size on Hopper (8 MiB on older cards). A prefill multiplies on the compute
-# stream alone; decoding adds a CUDA graph's capture stream and a speculating policy's selection stream.
-CUBLAS_WORKSPACE = 32 * 2**20
+# cuBLAS takes a workspace from PyTorch's allocator for each stream that runs a matmul, at its first matmul, and
+# holds it: torch's default on Hopper (8 MiB on older cards). A prefill multiplies on the compute stream alone;
+CUBLAS_WORKSPACE = 32 * 2**20  # decoding adds a CUDA graph's capture stream and a speculating policy's selection
 # each chunk reads every earlier token of its rows again: chunks of at least 256 tokens, or of a 16th of a shorter
 # prompt (a large batch of short prompts), keep those reads within 8 times the prompt's
 SMALLEST_CHUNK, SHORTEST_CHUNK = 256, 32
@@ -180,10 +180,13 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
         pool = host_pool_size(model.config, batch, work.tokens, dtype, ranks, **_settings(config))
         parts.append(Part("CPU KV pool", "host", pool.nbytes))
         stored = row_bytes(d, dtype, policy.codec, kv_bits) // 2  # one K or V, as the pool keeps it
-        if kv_bits == 8 and policy.codec is None:  # and its rows dequantised beside the codes
-            stored += d * e
-        staging = 2 * batch * kv * min(config.prefill_block_tokens, work.context) * 2 * stored
+        decoded = kv_bits == 8 and policy.codec is None  # 8-bit rows: dequantised beside their codes
+        read = d * e if decoded else stored  # as a read leaves it
+        staging = 2 * batch * kv * min(config.prefill_block_tokens, work.context) * 2 * (stored + decoded * read)
         parts.append(Part("prefill: earlier chunks' blocks", "gpu", staging, "prefill"))
+        if config.prefill_fetch_ahead and not policy.observes_attention and work.chunk < work.context:
+            past = work.chunk * ((work.context - 1) // work.chunk)  # at the last chunk
+            parts.append(Part(FETCHED_AHEAD, "gpu", batch * kv * past * 2 * read, "prefill"))
         selection = 3 * 4 * batch * kv * capacity  # scores, their ranks and counts, float32 / int32
         parts.append(Part("decode: selection workspace", "gpu", selection, "decode"))
     parts += _prefill_parts(model, work, config, kv, heads, d, e)
@@ -210,6 +213,7 @@ def _prefill_parts(model: Model, work: Workload, config: RuntimeConfig, kv: int,
 
 
 MLP_BEYOND = "prefill: the MLP's activations beyond the attention's"
+FETCHED_AHEAD = "prefill: the next layer's earlier blocks, fetched ahead"
 
 
 def layer_activations(model: Model, heads: int, kv: int, d: int, token_bytes: int) -> tuple[int, int]:
@@ -286,11 +290,13 @@ def plan(
         return MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
 
     # 8-bit rows by default, 16-bit ones where nothing fits with their scales on the GPU
-    formats = [config] if row_bits(config) == 16 or config.kv_bits else [config, replace(config, kv_bits=16)]
+    behind = replace(config, prefill_fetch_ahead=False)  # kept last, where room is left (speed alone)
+    formats = [behind] if row_bits(config) == 16 or config.kv_bits else [behind, replace(behind, kv_bits=16)]
     candidates = [c for asked in formats for c in _candidates(asked, policy, work, auto_reuse, reuse_on)]
-    for candidate in candidates:
-        if (tried := planned(*candidate)).fits:
-            return tried
+    for settings, *rest in candidates:
+        if (tried := planned(settings, *rest)).fits:
+            ahead = planned(replace(settings, prefill_fetch_ahead=True), *rest) if config.prefill_fetch_ahead else None
+            return ahead if ahead is not None and ahead.fits else tried
     if config.streamed_layers is not None or not model.layer_bytes or opts.get("ranks", 1) > 1:
         return tried
     # the last resort: streamed weights, with the settings that move the fewest bytes (``streaming``)
@@ -337,6 +343,8 @@ def _shed_steps(asked, settings, reused_asked: bool, reused: bool, work: Workloa
         yield f"prefill chunk: {workload.prefill_chunk} tokens"
     if settings.kv_bits != asked.kv_bits:
         yield "rows: 16-bit (no room for 8-bit rows' scales)"
+    if asked.prefill_fetch_ahead and not settings.prefill_fetch_ahead and workload.chunk < workload.context:
+        yield "prefill: no layer's blocks fetched ahead"
     if settings.streamed_layers and not asked.streamed_layers:
         yield f"weights: {settings.streamed_layers} decoder layers streamed from host memory"
 
