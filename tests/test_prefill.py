@@ -50,11 +50,11 @@ def test_chunked_prefill_reads_rows_as_the_gather_would(tokenizer, policy, setti
     by_blocks = generated()
     reads = []
 
-    def gathered(pool, lo, hi, staged, dtype):
+    def gathered(pool, lo, hi, staged, dtype, out=None):
         reads.append((lo, hi))
-        out = torch.empty(*staged.shape[:2], 2, hi - lo, staged.shape[-1], dtype=dtype, device=staged.device)
-        pool.gather(torch.arange(lo, hi, device=out.device).expand(*out.shape[:2], hi - lo), None, out)
-        return out.transpose(2, 3)
+        rows = torch.empty(*staged.shape[:2], 2, hi - lo, staged.shape[-1], dtype=dtype, device=staged.device)
+        pool.gather(torch.arange(lo, hi, device=rows.device).expand(*rows.shape[:2], hi - lo), None, rows)
+        return rows.transpose(2, 3) if out is None else out.copy_(rows.transpose(2, 3))
 
     monkeypatch.setattr(KVPool, "read_rows", gathered)
     assert torch.equal(generated(), by_blocks), "the same logits"
@@ -65,9 +65,9 @@ def test_chunked_prefill_reads_rows_as_the_gather_would(tokenizer, policy, setti
 def test_a_later_chunk_attends_to_blocks_fetched_during_the_layer_before(
     tokenizer, policy, settings, device, monkeypatch
 ):
-    """Once a layer's own block copies are queued, the next offloaded layer's earlier blocks are (each in
-    memory of its own): that layer attends over them instead of staging its own, with the same logits as
-    without fetching ahead. Only a layer after an offloaded one is fetched for, once per later chunk."""
+    """Once a layer's own block copies are queued, the next offloaded layer's earlier blocks are: that layer
+    attends over them instead of staging its own, with the same logits as without fetching ahead. Only a
+    layer after an offloaded one is fetched for, once per later chunk, into one region a chunk reuses."""
     from infinigen.runtime.cache import attention
 
     model, artifact = tiny_setup(tokenizer, "llama", device)
@@ -75,14 +75,22 @@ def test_a_later_chunk_attends_to_blocks_fetched_during_the_layer_before(
     inputs = padded_batch(prompts, pad=1, device=device)
     fetched, staged = [], []  # (layer, end) of each layer's blocks fetched ahead / staged as it attends
 
-    def recorded(calls: list, read):
-        return lambda cache, layer, end: calls.append((layer.index, end)) or read(cache, layer, end)
+    regions = []  # each fetch's region: its memory
 
-    monkeypatch.setattr(attention, "fetch_ahead", recorded(fetched, attention.fetch_ahead))
+    def recorded(calls: list, read):
+        return lambda cache, layer, end, *rest: calls.append((layer.index, end)) or read(cache, layer, end, *rest)
+
+    def into_regions(*args):
+        blocks, region = fetch_ahead(*args)
+        regions.append(region.data_ptr())
+        return blocks, region
+
+    fetch_ahead = recorded(fetched, attention.fetch_ahead)
+    monkeypatch.setattr(attention, "fetch_ahead", into_regions)
     monkeypatch.setattr(attention, "_staged", recorded(staged, attention._staged))
 
     def generated(ahead: bool) -> tuple[torch.Tensor, list[int]]:  # every step's logits, the offloaded layers
-        options = {"prefill_block_tokens": 5, "prefill_fetch_ahead": ahead, "dense_layers": 1, **settings}
+        options = {"prefill_block_tokens": 5, "prefill_fetch_ahead": ahead, "dense_layers": 0, **settings}
         cache = cache_for(model, artifact, policy=policy, **options)
         kwargs = {cache_argument(model): cache, "prefill_chunk_size": 8, "pad_token_id": 1}
         out = model.generate(
@@ -97,7 +105,8 @@ def test_a_later_chunk_attends_to_blocks_fetched_during_the_layer_before(
     ahead, _ = generated(True)
     assert torch.equal(ahead, behind), "the same logits"
     assert staged == [(offloaded[0], 8), (offloaded[0], 16)] and len(offloaded) > 1
-    assert fetched == [(i, end) for end in (8, 16) for i in offloaded[1:]]
+    assert fetched == [(i, end) for end in (8, 16) for i in offloaded[1:]] and len(offloaded) == 3
+    assert regions[0] == regions[1] and regions[2] == regions[3], "one region per chunk"
 
 
 def test_later_chunks_mask_only_the_blocks_that_hold_padding(tokenizer, device, monkeypatch):

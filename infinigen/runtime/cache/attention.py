@@ -171,8 +171,12 @@ def pool_blocks(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.
     are queued, the next layer's are (where the plan has room for them): an attention reads its blocks
     far faster than the bus brings them, and the previous layer's MLP hides them."""
     cache.count_fetch(layer, end, step=False)
-    ahead, layer.fetched_ahead = layer.fetched_ahead, None
-    blocks = ahead[1] if ahead is not None and ahead[0] == end else _staged(cache, layer, end)
+    ahead, layer.fetched_ahead, region = layer.fetched_ahead, None, None
+    if ahead is not None and ahead[0] == end:
+        _, blocks, region = ahead
+    else:  # none, or a stale one (a forward that stopped short), let go
+        blocks = _staged(cache, layer, end)
+    del ahead
     for part, ready in blocks:
         if ready is not None:
             torch.cuda.current_stream(cache.device).wait_event(ready)
@@ -184,7 +188,7 @@ def pool_blocks(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.
         yield rows[:, :, 0], rows[:, :, 1]
     following = cache.layers[layer.index + 1] if layer.index + 1 < len(cache.layers) else None
     if cache.config.prefill_fetch_ahead and isinstance(following, OffloadedLayer) and following.past_ahead(end):
-        following.fetched_ahead = (end, fetch_ahead(cache, following, end))
+        following.fetched_ahead = (end, *fetch_ahead(cache, following, end, region))
 
 
 def _staged(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.Tensor, torch.cuda.Event | None]]:
@@ -213,28 +217,38 @@ def _staged(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.Tens
             released[(lo // tokens) % 2] = torch.cuda.current_stream(cache.device).record_event()
 
 
-def fetch_ahead(cache, layer: OffloadedLayer, end: int) -> list[tuple[torch.Tensor, torch.cuda.Event | None]]:
-    """Every block of slots 0 .. end-1, their copies queued now on the transfer stream (each block in memory
-    of its own: the plan's ``prefill: the next layer's earlier blocks``). 8-bit rows are dequantised into
-    new memory as they arrive, so one staging buffer serves all their codes."""
+def fetch_ahead(cache, layer: OffloadedLayer, end: int, region: torch.Tensor | None = None):
+    """Every block of slots 0 .. end-1, their copies queued now on the transfer stream, into one region
+    (B, kv_heads, end, 2, width) on the GPU: the plan's ``prefill: the next layer's earlier blocks``. The
+    region passes from layer to layer through a chunk: its copies follow the compute stream's work so far,
+    which includes the layer before's attention over it. 8-bit rows are dequantised into it as they arrive,
+    their codes through one staging block. Returns the blocks (each with its copy's event) and the region."""
     pool, tokens = layer.pool, cache.config.prefill_block_tokens
-    if cache.stream is not None:  # new memory may have served queued compute work
+    decoded = pool.kv_bits == 8
+    shape = (*pool.shape[:2], end, 2, layer.head_dim) if decoded else (*pool.shape[:2], end, *pool.shape[3:])
+    dtype = layer.dtype if decoded else pool.dtype
+    if region is None or region.shape != shape or region.dtype != dtype:
+        region = cache.on_both_streams(torch.empty(shape, dtype=dtype, device=cache.device))
+    if cache.stream is not None:  # after the reads of the region, and of any new memory, queued so far
         cache.stream.wait_stream(torch.cuda.current_stream(cache.device))
-    shared = cache.on_both_streams(pool.new_block(tokens)) if pool.kv_bits == 8 else None
-    spans = [(lo, min(end, lo + tokens)) for lo in range(0, end, tokens)]
-    staged = (shared if shared is not None else cache.on_both_streams(pool.new_block(hi - lo)) for lo, hi in spans)
-    return [_read(cache, layer, lo, hi, buffer) for (lo, hi), buffer in zip(spans, staged, strict=True)]
+    codes = cache.on_both_streams(pool.new_block(tokens)) if decoded else None
+    blocks = []
+    for lo in range(0, end, tokens):
+        into = region[:, :, lo : min(end, lo + tokens)]
+        blocks.append(_read(cache, layer, lo, min(end, lo + tokens), *((codes, into) if decoded else (into,))))
+    return blocks, region
 
 
-def _read(cache, layer: OffloadedLayer, lo: int, hi: int, staged: torch.Tensor):
-    """Slots lo .. hi-1 from the pool into ``staged``, on the transfer stream where there is one: the rows
-    (B, kv_heads, n, 2, width) and the event that they are in (None off CUDA)."""
+def _read(cache, layer: OffloadedLayer, lo: int, hi: int, staged: torch.Tensor, out: torch.Tensor | None = None):
+    """Slots lo .. hi-1 from the pool into ``staged`` (8-bit rows dequantised into ``out`` where given), on the
+    transfer stream where there is one: the rows (B, kv_heads, n, 2, width) and the event that they are in
+    (None off CUDA)."""
     if cache.stream is None:
-        return layer.pool.read_rows(lo, hi, staged, layer.dtype), None
+        return layer.pool.read_rows(lo, hi, staged, layer.dtype, out), None
     with torch.cuda.stream(cache.stream):
-        part = layer.pool.read_rows(lo, hi, staged, layer.dtype)
+        part = layer.pool.read_rows(lo, hi, staged, layer.dtype, out)
         ready = cache.stream.record_event()
-    part.record_stream(torch.cuda.current_stream(cache.device))  # 8-bit rows: decoded into the stream's memory
+    part.record_stream(torch.cuda.current_stream(cache.device))  # 8-bit rows decoded into new memory: this stream's
     return part, ready
 
 

@@ -186,8 +186,8 @@ class OffloadedLayer(_Layer):
         self.captured_counts: tuple[torch.Tensor | int | None, torch.Tensor | int | None] = (None, None)
         self.resident: ResidentRows | None = None  # with row reuse: the rows kept on the GPU
         self.past = 0  # a multi-token step: the earlier tokens its attention reads from the pool
-        # a prefill chunk's earlier tokens, their blocks' copies queued during the previous layer: (past, blocks)
-        self.fetched_ahead: tuple[int, list] | None = None
+        # a prefill chunk's earlier tokens, copied during the previous layer: (past, blocks, their region)
+        self.fetched_ahead: tuple[int, list, torch.Tensor] | None = None
         self.stats = LayerStats()
 
     # --- transformers' layer interface -------------------------------------------------------

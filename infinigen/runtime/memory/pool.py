@@ -158,10 +158,12 @@ class KVPool:
         """An empty (B, H, tokens, 2, width) on the compute device, in the pool's stored dtype: ``read_rows``'s."""
         return torch.empty(*self.shape[:2], tokens, *self.shape[3:], dtype=self.dtype, device=self.device)
 
-    def read_rows(self, lo: int, hi: int, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def read_rows(
+        self, lo: int, hi: int, staged: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Slots lo .. hi-1 of every (batch, head) as DMA copies into ``staged`` (B, H, >= hi - lo, 2, width,
         on the device, in the pool's stored dtype): (B, H, hi - lo, 2, width) rows, 8-bit ones dequantised
-        to ``dtype`` (a new tensor then)."""
+        to ``dtype`` (into ``out`` where given, else a new tensor)."""
         part = staged[:, :, : hi - lo]
         for index in range(lo // self.block_tokens, (hi - 1) // self.block_tokens + 1):
             start = index * self.block_tokens
@@ -171,8 +173,9 @@ class KVPool:
             return part
         scales = self.scales[:, :, lo:hi]  # (B, H, n, 2)
         if not on_triton(part.device):
-            return int8_rows.decode(part, scales, dtype, self.factors[:, None])
-        rows = torch.empty(part.shape, dtype=dtype, device=part.device)  # no float32 copies: one kernel
+            rows = int8_rows.decode(part, scales, dtype, self.factors[:, None])
+            return rows if out is None else out.copy_(rows)
+        rows = torch.empty(part.shape, dtype=dtype, device=part.device) if out is None else out  # one kernel
         int8_rows.dequantise(part.transpose(2, 3), scales.transpose(2, 3), self.factors, rows.transpose(2, 3))
         return rows
 
