@@ -193,10 +193,13 @@ def pool_blocks(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.
 
 def _staged(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.Tensor, torch.cuda.Event | None]]:
     """Slots 0 .. end-1 a block at a time through two staging buffers (the workspace: two blocks, never the
-    layer's whole KV), with the transfer stream's event that each block is in."""
+    layer's whole KV; 8-bit rows also two of their dequantised rows), with the transfer stream's event that
+    each block is in."""
     pool, tokens = layer.pool, cache.config.prefill_block_tokens
-    # the step's own, freed with it (a prefill's workspace, not the decode's)
+    # the step's own, freed with it (a prefill's workspace, not the decode's); the compute stream's memory, so
+    # that the transfer stream allocates none (each stream's freed memory serves only that stream)
     staged = [cache.on_both_streams(pool.new_block(tokens)) for _ in (0, 1)]
+    decoded = [_decoded_block(cache, layer, tokens) if pool.kv_bits == 8 else None for _ in (0, 1)]
     released: list[torch.cuda.Event | None] = [None, None]  # compute-stream events: done reading a buffer
     if cache.stream is not None:  # the buffers' memory may have served queued compute work
         cache.stream.wait_stream(torch.cuda.current_stream(cache.device))
@@ -205,7 +208,9 @@ def _staged(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.Tens
         which = (lo // tokens) % 2
         if released[which] is not None:
             cache.stream.wait_event(released[which])
-        return _read(cache, layer, lo, min(end, lo + tokens), staged[which])
+        hi = min(end, lo + tokens)
+        out = decoded[which][:, :, : hi - lo] if decoded[which] is not None else None
+        return _read(cache, layer, lo, hi, staged[which], out)
 
     pending = copied(0)
     for lo in range(0, end, tokens):
@@ -225,18 +230,24 @@ def fetch_ahead(cache, layer: OffloadedLayer, end: int, region: torch.Tensor | N
     their codes through one staging block. Returns the blocks (each with its copy's event) and the region."""
     pool, tokens = layer.pool, cache.config.prefill_block_tokens
     decoded = pool.kv_bits == 8
-    shape = (*pool.shape[:2], end, 2, layer.head_dim) if decoded else (*pool.shape[:2], end, *pool.shape[3:])
-    dtype = layer.dtype if decoded else pool.dtype
-    if region is None or region.shape != shape or region.dtype != dtype:
-        region = cache.on_both_streams(torch.empty(shape, dtype=dtype, device=cache.device))
+    if region is None or region.shape[2] != end:  # a chunk's first (its offloaded layers' rows are alike)
+        region = _decoded_block(cache, layer, end) if decoded else cache.on_both_streams(pool.new_block(end))
     if cache.stream is not None:  # after the reads of the region, and of any new memory, queued so far
         cache.stream.wait_stream(torch.cuda.current_stream(cache.device))
     codes = cache.on_both_streams(pool.new_block(tokens)) if decoded else None
     blocks = []
     for lo in range(0, end, tokens):
-        into = region[:, :, lo : min(end, lo + tokens)]
-        blocks.append(_read(cache, layer, lo, min(end, lo + tokens), *((codes, into) if decoded else (into,))))
+        hi = min(end, lo + tokens)
+        into = region[:, :, lo:hi]
+        blocks.append(_read(cache, layer, lo, hi, codes, into) if decoded else _read(cache, layer, lo, hi, into))
     return blocks, region
+
+
+def _decoded_block(cache, layer: OffloadedLayer, tokens: int) -> torch.Tensor:
+    """An empty (B, kv_heads, tokens, 2, head_dim) of the layer's dtype: 8-bit rows dequantised."""
+    pool = layer.pool
+    block = torch.empty(*pool.shape[:2], tokens, 2, layer.head_dim, dtype=layer.dtype, device=cache.device)
+    return cache.on_both_streams(block)
 
 
 def _read(cache, layer: OffloadedLayer, lo: int, hi: int, staged: torch.Tensor, out: torch.Tensor | None = None):
@@ -248,7 +259,6 @@ def _read(cache, layer: OffloadedLayer, lo: int, hi: int, staged: torch.Tensor, 
     with torch.cuda.stream(cache.stream):
         part = layer.pool.read_rows(lo, hi, staged, layer.dtype, out)
         ready = cache.stream.record_event()
-    part.record_stream(torch.cuda.current_stream(cache.device))  # 8-bit rows decoded into new memory: this stream's
     return part, ready
 
 
