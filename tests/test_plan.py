@@ -156,11 +156,11 @@ def test_dense_policy_keeps_every_layer_on_the_gpu():
 
 @pytest.mark.parametrize("kv_bits", [16, 8])
 def test_shedding_follows_the_documented_order(kv_bits):
-    """As the budget shrinks, decoding gives up rows of earlier steps (2 -> 1 -> 0; with 8-bit rows each
-    kept 16-bit on the GPU, then 8-bit), then reuse; the prefill halves its chunk; dense layers go (down to
-    0: layer 0 then selects from its own input) only where neither suffices. Each phase gives up only what
-    it needs: the settings chosen move one way through that order, and each plan's statement says what was
-    given up."""
+    """As the budget shrinks, decoding gives up rows of earlier steps (2 -> 1 -> 0; with 8-bit rows each kept 16-bit on
+    the GPU, then 8-bit), then reuse; the prefill halves its chunk; dense layers go (down to 0: layer 0 then selects
+    from its own input) only where neither suffices. Each phase gives up only what it needs: the settings chosen move
+    one way through that order, and each plan's statement says what was given up. Fetching the next layer's prefill
+    blocks ahead (speed alone) is kept only where that leaves room."""
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
     work = memory.Workload(batch=4, context=65536, new_tokens=64, prefill_chunk=4096)
     config = RuntimeConfig(streamed_layers=0, kv_bits=kv_bits)  # streamed weights, the last resort: below
@@ -174,16 +174,12 @@ def test_shedding_follows_the_documented_order(kv_bits):
         assert found.needed_gpu <= budget
         extra = found.config.resident_extra_or_default if found.reuse else 0.0
         bits = (found.config.resident_bits or 16) if found.reuse else 16
-        state = (
-            2 - found.config.dense_layers,
-            decoding[found.reuse, extra, bits],
-            4096 // found.workload.prefill_chunk,
-        )
+        dense_given_up, chunk_shrunk_by = 2 - found.config.dense_layers, 4096 // found.workload.prefill_chunk
+        state = (dense_given_up, decoding[found.reuse, extra, bits], chunk_shrunk_by)
         said = [f"rows of earlier steps: resident_extra {extra:g}"] if found.reuse and extra < 2 else []
         said += ["rows kept on the GPU: 8-bit"] * (found.reuse and bits == 8) + ["row reuse off"] * (not found.reuse)
         said += [f"dense layers: {found.config.dense_layers}"] * (state[0] > 0)
         said += [f"prefill chunk: {found.workload.prefill_chunk} tokens"] * (state[2] > 1)
-        # fetching ahead (speed alone) is kept only where the settings above leave it room
         said += ["prefill: no layer's blocks fetched ahead"] * (not found.config.prefill_fetch_ahead)
         assert list(found.shed) == said
         states.append(state)
@@ -196,10 +192,9 @@ def test_shedding_follows_the_documented_order(kv_bits):
 
 
 def test_padding_costs_the_prefill_a_mask_and_a_bias(tokenizer):
-    """Rows of different lengths give every prefill attention a mask: a one-shot prefill then counts the
-    mask and transformers' SDPA workspace (KV repeated per query head, the mask as a bias: a second copy
-    where its rows are not 16-aligned), a chunked one each block's bias; equal lengths count neither, and a
-    batch job plans its batches so."""
+    """Rows of different lengths give every prefill attention a mask: a one-shot prefill then counts the mask and
+    transformers' SDPA workspace (KV repeated per query head, the mask as a bias: a second copy where its rows are
+    not 16-aligned), a chunked one each block's bias; equal lengths count neither (a batch job plans its batches so)."""
     from infinigen.batch.records import Request
     from infinigen.batch.runner import Planner, Prepared, batch_plan
 
@@ -227,10 +222,9 @@ def test_padding_costs_the_prefill_a_mask_and_a_bias(tokenizer):
 
 
 def test_the_8b_shape_at_16_x_32k_fits_a_24_gb_card_only_with_every_step_shed(monkeypatch):
-    """The capacity the GPU-budget issue asks for on a 24 GB card: 16 x 32K of the 8B shape fits once
-    decoding, the prefill (chunks of 512, blocks no larger), the dense layers (none: layer 0 selects from its
-    own input) and the default 8-bit rows (their scales on the GPU) have all given way; with 1,024-token
-    chunks it does not."""
+    """The capacity the GPU-budget issue asks for on a 24 GB card: 16 x 32K of the 8B shape fits once decoding, the
+    prefill (chunks of 512, blocks no larger), the dense layers (none: layer 0 selects from its own input) and the
+    default 8-bit rows (their scales on the GPU) have all given way; with 1,024-token chunks it does not."""
     model = memory.model_of(shape_config("llama-3-8b"), BF16)
     work = memory.Workload(16, 32768, 8, 4096)
     budget = memory.budget_bytes(24, torch.device("cpu"))
@@ -479,10 +473,10 @@ def test_measured_peak_within_the_plan(policy):
 @CUDA
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
 def test_a_padded_batch_peaks_within_the_plan(tokenizer, policy):
-    """A batch job's batch: many rows of different lengths, left-padded, so every prefill attention takes
-    a mask (a bias per query and key) and the prefill's workspace, not the KV, sets the peak. The measured
-    peak never exceeds the plan (a batch of 256 SmolLM2 prompts the plan had admitted once ran out of
-    memory), and the plan is within 25% of it."""
+    """A batch job's batch: many rows of different lengths, left-padded, so every prefill attention takes a mask (a bias
+    per query and key) and the prefill's workspace, not the KV, sets the peak. The measured peak never exceeds the
+    plan (a batch of 256 SmolLM2 prompts the plan had admitted once ran out of memory), and the plan is within 25% of
+    it."""
     from infinigen.bench.shapes import random_artifact
     from infinigen.runtime import cache_for
     from infinigen.runtime.text import generate_ids
