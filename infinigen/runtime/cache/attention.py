@@ -230,7 +230,7 @@ def fetch_ahead(cache, layer: OffloadedLayer, end: int, region: torch.Tensor | N
     their codes through one staging block. Returns the blocks (each with its copy's event) and the region."""
     pool, tokens = layer.pool, cache.config.prefill_block_tokens
     decoded = pool.kv_bits == 8
-    if region is None or region.shape[2] != end:  # a chunk's first (its offloaded layers' rows are alike)
+    if region is None:  # a chunk's first; the layer before's otherwise (same rows, same past)
         region = _decoded_block(cache, layer, end) if decoded else cache.on_both_streams(pool.new_block(end))
     if cache.stream is not None:  # after the reads of the region, and of any new memory, queued so far
         cache.stream.wait_stream(torch.cuda.current_stream(cache.device))
