@@ -112,3 +112,23 @@ def _places_a_module_on_the_gpu(config, room: int) -> bool:
     limits = {0: max(room, 0), "cpu": 10**13}
     found = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=model._no_split_modules)
     return 0 in found.values()
+
+
+def test_the_last_pools_host_blocks_go_before_accelerate_copies_weights_to_the_host(monkeypatch):
+    """A case of ours leaves its pool's host blocks retired for the next pool; an accelerate baseline after it
+    must not copy weights to the host beside them (OPT-30B at 56 x 1,920: 79 GB of them overran a 128 GB host)."""
+    import infinigen.bench.runs as runs
+    from infinigen.runtime.memory import host_memory
+
+    model = tiny_model("opt")
+    runs.run_case(model, None, runs.BenchCase("full", 2, 32, gen_len=2, warmup=0))
+    assert host_memory.retired_bytes() > 0  # the pool's blocks, kept for a next pool
+    real, retired_at_entry = runs.accelerate_offloaded, []
+
+    def recorded(*args):
+        retired_at_entry.append(host_memory.retired_bytes())
+        return real(*args)
+
+    monkeypatch.setattr(runs, "accelerate_offloaded", recorded)
+    row = runs.run_case(model, None, runs.BenchCase("hf-accelerate", 2, 32, gen_len=2, warmup=0))
+    assert retired_at_entry == [0] and row["ms_per_step"] > 0
