@@ -270,6 +270,9 @@ def test_generate_out_of_memory_is_one_line(prepared, tmp_path, monkeypatch):
         (["bench", "--reuse-rows", "maybe"], "--reuse-rows takes auto, on, off"),
         (["eval", "ppl", "--text", "x.txt", "--alpha", "nan"], "--alpha takes a number"),
         (["eval", "ppl", "--text", "x.txt", "--cpu-pool-fraction", "2"], "--cpu-pool-fraction must be in (0, 1]"),
+        (["generate", "--prompt", "x", "--artifact", "./no-artifact"], "artifact './no-artifact' not found"),
+        (["eval", "ppl", "--text", __file__, "--artifact", "./no-artifact"], "artifact './no-artifact' not found"),
+        (["bench", "--model", "smollm2-135m", "--artifact", "./no-artifact"], "artifact './no-artifact' not found"),
     ],
 )
 def test_bad_command_lines_are_one_line_before_any_model_loads(argv, message, monkeypatch):

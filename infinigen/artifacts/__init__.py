@@ -1,5 +1,7 @@
 """The artifact format shared by prepare (writer) and runtime (reader)."""
 
+from pathlib import Path
+
 from infinigen.artifacts.card import render_card
 from infinigen.artifacts.format import (
     Artifact,
@@ -39,17 +41,24 @@ __all__ = [
     "manifest_from_json",
     "open_artifact",
     "push_artifact",
+    "read_artifact",
     "read_manifest",
     "render_card",
     "save_artifact",
 ]
 
 
-def open_artifact(artifact, model) -> Artifact:
-    """Load an artifact (folder or Hub id) and check that it was made for ``model``."""
+def read_artifact(artifact: str | Path | None) -> Artifact | None:
+    """An artifact (folder or Hub id) read before the model loads, so that a missing or corrupted one is
+    refused without waiting for the weights; ``open_artifact`` checks it against the model. None: none."""
+    return None if artifact is None else load_artifact(artifact_folder(artifact))
+
+
+def open_artifact(artifact: Artifact | str | Path, model) -> Artifact:
+    """An artifact (folder, Hub id, or read already by ``read_artifact``) checked to be made for ``model``."""
     from infinigen.architectures import fingerprint, model_spec, qk_signature
 
-    loaded = load_artifact(artifact_folder(artifact))
+    loaded = artifact if isinstance(artifact, Artifact) else load_artifact(artifact_folder(artifact))
     base = loaded.manifest.base_model
     exact = fingerprint(model)
     # The signature reads every q/k weight once: only needed when the fingerprint differs (another dtype)

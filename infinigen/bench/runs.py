@@ -405,7 +405,7 @@ def load_subject(
 ) -> Subject:
     """The model of a sweep: random weights of ``shape``, or ``model`` with its artifact and text; with
     ``streamed``, its streamed layers kept in host memory from the start."""
-    from infinigen.artifacts import open_artifact
+    from infinigen.artifacts import open_artifact, read_artifact
     from infinigen.bench.shapes import random_model
     from infinigen.eval.decoding import read_text
     from infinigen.models import load_model, parse_dtype
@@ -416,8 +416,9 @@ def load_subject(
         return Subject(random_model(shape, device, parse_dtype(dtype, device), layers, streamed), shape)
     if layers is not None:
         raise InfinigenError("--layers goes with --shape (a real model has its own layers)")
+    read = read_artifact(artifact)  # refused before the weights load
     loaded = load_model(model, device=device, dtype=dtype, before_weights=lambda *_: streamed)
-    checked = open_artifact(artifact, loaded.model) if artifact is not None else None
+    checked = open_artifact(read, loaded.model) if read is not None else None
     text_ids = loaded.tokenizer(read_text(text), return_tensors="pt").input_ids[0] if text is not None else None
     return Subject(loaded.model, None, checked, text_ids)
 

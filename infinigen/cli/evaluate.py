@@ -37,7 +37,7 @@ def _load(
     where the weights exceed the GPU budget (or ``runs``, the settings of each, stream layers), the decoder
     layers kept in host memory for ``workload(tokenizer)`` with each of them (``streaming.streamed_for``),
     the rest on the GPU, never all of it."""
-    from infinigen.artifacts import open_artifact
+    from infinigen.artifacts import open_artifact, read_artifact
     from infinigen.models import load_model
     from infinigen.runtime.config import config_from
     from infinigen.runtime.memory import plan as memory
@@ -52,10 +52,11 @@ def _load(
         work = workload(tokenizer)
         return streaming.streamed_for(subject, torch_dtype, [(work, c) for c in configs], budget)
 
+    read = read_artifact(artifact)  # refused before the weights load
     loaded = load_model(model, device=device, dtype=dtype, before_weights=streamed)
     weights = streamed_weights(loaded.model)
     added = {} if weights is None else {"streamed_layers": len(weights.order)}
-    return loaded, open_artifact(artifact, loaded.model) if artifact is not None else None, added
+    return loaded, open_artifact(read, loaded.model) if read is not None else None, added
 
 
 @on_eval

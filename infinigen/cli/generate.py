@@ -65,7 +65,7 @@ def generate(
     """
     import torch
 
-    from infinigen.artifacts import open_artifact
+    from infinigen.artifacts import open_artifact, read_artifact
     from infinigen.models import load_model
     from infinigen.runtime import RuntimeConfig, cache_for, host_pool_size, reserve_host_memory
     from infinigen.runtime.memory import plan as memory
@@ -83,6 +83,8 @@ def generate(
         from infinigen.cli.jobs import job_requests, run_batch_job
 
         requests = job_requests(input, output)  # the files refused before anything loads
+    # a missing or corrupted artifact is refused before the weights load (a batch job's, where it loads them)
+    read = read_artifact(artifact) if input is None else None
     if device is None and not torch.cuda.is_available():
         err_console.print("no CUDA device: running on the CPU (slowly)")
     if input is not None:
@@ -114,7 +116,7 @@ def generate(
         return found.config  # its streamed layers, if any, load in host memory
 
     loaded = load_model(model, device=device, dtype=dtype, before_weights=plan_and_pin)
-    checked = open_artifact(artifact, loaded.model) if artifact is not None else None
+    checked = open_artifact(read, loaded.model) if read is not None else None
     tokenizer = loaded.tokenizer
     prompts = _templated(prompts, tokenizer, chat)
     settings = memory.cache_settings(planned[0]) if planned else vars(config)

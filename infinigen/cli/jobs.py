@@ -38,14 +38,15 @@ def run_batch_job(loading: dict, settings: dict, sampling, options: dict, ray, r
 
     address, workers = ray
     if address is None:
-        from infinigen.artifacts import open_artifact
+        from infinigen.artifacts import open_artifact, read_artifact
         from infinigen.batch import Job, Work, run_job
         from infinigen.batch.runner import weights_plan
         from infinigen.runtime.weights import streamed_weights
 
         placing = weights_plan(settings, requests[0], **options)
+        read = read_artifact(loading["artifact"])  # refused before the weights load
         loaded = load_model(loading["model"], device=loading["device"], dtype=loading["dtype"], before_weights=placing)
-        artifact = open_artifact(loading["artifact"], loaded.model) if loading["artifact"] is not None else None
+        artifact = open_artifact(read, loaded.model) if read is not None else None
         if (streamed := streamed_weights(loaded.model)) is not None:  # every batch plans with them
             settings = settings | {"streamed_layers": len(streamed.order)}
         job = Job.of(loaded.model, loaded.tokenizer, artifact, settings, sampling=sampling, **options)

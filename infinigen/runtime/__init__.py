@@ -56,11 +56,12 @@ def load(
 
     The checked artifact is kept on the model (``model.infinigen_artifact``) for ``cache_for``.
     """
-    from infinigen.artifacts import open_artifact
+    from infinigen.artifacts import open_artifact, read_artifact
     from infinigen.models import load_model
 
+    read = read_artifact(artifact)  # refused before the weights load
     loaded = load_model(model, device=device, dtype=dtype)
-    loaded.model.infinigen_artifact = open_artifact(artifact, loaded.model) if artifact is not None else None
+    loaded.model.infinigen_artifact = open_artifact(read, loaded.model) if read is not None else None
     return loaded.model, loaded.tokenizer
 
 
