@@ -54,7 +54,8 @@ class InfinigenCache(Cache):
         self.config = config
         # its flags; each offloaded layer holds an instance
         self.policy_type = supported_policy(config, has_artifact=artifact is not None)
-        self.offloaded_indices = offloaded_layer_indices(model.config, config.dense_layers, self.policy_type.offloads)
+        windows = sliding_windows(model.config)
+        self.offloaded_indices = offloaded_layer_indices(windows, config.dense_layers, self.policy_type.offloads)
         self.n_offloaded = len(self.offloaded_indices)
         blocks = decoder_layers(model)
         # the heads this rank computes (all in one process); refuses KV heads the ranks do not divide

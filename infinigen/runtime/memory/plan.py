@@ -31,21 +31,22 @@ memory size given (``RuntimeConfig.gpu_memory_gb``) less the CUDA context, which
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from infinigen.architectures import decoder_layers, sliding_windows
+from infinigen.architectures import decoder_layers
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.kernels.chunk_attention import ALIGN
 from infinigen.runtime.memory import host_memory, reuse, streaming
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import (
     Model,
-    host_pool_size,
     offloaded_layer_indices,
     pool_block_tokens,
+    pool_size,
     slot_bytes,
     streamed_count,
     weight_slots,
@@ -138,9 +139,10 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
     policy = policy_class(config.policy)
     ranks = opts.get("ranks", 1)
     kv, d, heads, batch = spec.n_kv_heads // ranks, spec.head_dim, spec.n_heads // ranks, work.batch
-    windows = sliding_windows(model.config)
-    offloaded = offloaded_layer_indices(model.config, config.dense_layers, policy.offloads)
-    dense = [i for i, w in enumerate(windows) if w is None and i not in offloaded]
+    windows = model.windows
+    offloaded = offloaded_layer_indices(windows, config.dense_layers, policy.offloads)
+    offloaded_set = set(offloaded)
+    dense = [i for i, w in enumerate(windows) if w is None and i not in offloaded_set]
     block = config.block_tokens
     capacity = -(-work.tokens // block) * block  # an offloaded pool's slots (whole blocks)
     kv_row = kv * d * 2 * e  # one token's K and V of every KV head of one batch row, on the GPU
@@ -175,9 +177,9 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
             resident = reuse.resident_bytes(batch, kv, d, e, capacity, budgets, config.min_tokens, extra, bits)
             parts.append(Part("decode: resident rows", "gpu", resident, "decode"))
         else:  # two staging buffers (layers alternate), each the largest fetch
-            k = max(rows_bound(b, capacity, config.min_tokens) for b in budgets) if policy.budgeted else capacity
+            k = max(rows_bound(b, capacity, config.min_tokens) for b in set(budgets)) if policy.budgeted else capacity
             parts.append(Part("decode: fetch staging", "gpu", 2 * batch * kv_row * (k + 1), "decode"))
-        pool = host_pool_size(model.config, batch, work.tokens, dtype, ranks, **_settings(config))
+        pool = pool_size(spec, len(offloaded), batch, work.tokens, dtype, ranks, config)
         parts.append(Part("CPU KV pool", "host", pool.nbytes))
         stored = row_bytes(d, dtype, policy.codec, kv_bits) // 2  # one K or V, as the pool keeps it
         decoded = kv_bits == 8 and policy.codec is None  # 8-bit rows: dequantised beside their codes
@@ -263,17 +265,8 @@ def _aligned(keys: int) -> int:
     return -(-keys // ALIGN) * ALIGN
 
 
-def _settings(config: RuntimeConfig) -> dict:
-    return {f: getattr(config, f) for f in ("policy", "dense_layers", "kv_bits", "cpu_pool_gb", "block_tokens")}
-
-
 def plan(
-    model: Model,
-    dtype: torch.dtype,
-    work: Workload,
-    config: RuntimeConfig,
-    budget: int | None = None,
-    **opts,
+    model: Model, dtype: torch.dtype, work: Workload, config: RuntimeConfig, budget: int | None = None, **opts
 ) -> MemoryPlan:
     """The plan of a run; under ``budget`` (GPU bytes) the first settings, in the shedding order of the
     module's docstring, whose run fits. Where none fits, the last tried: ``fits`` is False."""
@@ -292,7 +285,15 @@ def plan(
     # 8-bit rows by default, 16-bit ones where nothing fits with their scales on the GPU
     behind = replace(config, prefill_fetch_ahead=False)  # kept last, where room is left (speed alone)
     formats = [behind] if row_bits(config) == 16 or config.kv_bits else [behind, replace(behind, kv_bits=16)]
-    candidates = [c for asked in formats for c in _candidates(asked, policy, work, auto_reuse, reuse_on)]
+    chunks, chunk = [work.prefill_chunk], work.prefill_chunk  # the asked, then halving from CHUNK to the smallest
+    smallest = max(SHORTEST_CHUNK, min(SMALLEST_CHUNK, work.context // 16))
+    while (chunk := CHUNK if chunk is None or chunk > CHUNK else chunk // 2) >= smallest:
+        chunks += [chunk] if chunk < work.chunk else []
+    candidates = [
+        (settings, reused, replace(work, prefill_chunk=chunk))
+        for asked in formats
+        for settings, reused, chunk in _candidates(asked, policy, tuple(chunks), auto_reuse, reuse_on)
+    ]
     for settings, *rest in candidates:
         if (tried := planned(settings, *rest)).fits:
             ahead = planned(replace(settings, prefill_fetch_ahead=True), *rest) if config.prefill_fetch_ahead else None
@@ -303,10 +304,11 @@ def plan(
     return streaming.least_moved(candidates, planned, model.spec.n_layers) or tried
 
 
-def _candidates(config: RuntimeConfig, policy, work: Workload, auto_reuse: bool, reuse_on: bool):
-    """The settings to try, most asked first (the module's docstring): for each number of dense layers,
-    each decoding setting, each prefill chunk."""
-    decoding = [(config, False)]
+@functools.lru_cache(maxsize=256)  # a throughput search plans one context at many batches: the same candidates
+def _candidates(config: RuntimeConfig, policy, chunks: tuple[int | None, ...], auto_reuse: bool, reuse_on: bool):
+    """The settings to try, most asked first (the module's docstring): for each number of dense layers, each
+    decoding setting, each prefill chunk (the asked first); (settings, row reuse on, prefill chunk) each."""
+    candidates, decoding = [], [(config, False)]
     if reuse_on:
         kept = reuse.fallback_settings(config.resident_extra_or_default, row_bits(config), config.resident_bits)
         if not auto_reuse:  # reuse as asked: only the bits its rows are kept in may change
@@ -314,19 +316,14 @@ def _candidates(config: RuntimeConfig, policy, work: Workload, auto_reuse: bool,
         decoding = [(replace(config, resident_extra=extra, resident_bits=bits), True) for extra, bits in kept]
         if auto_reuse:
             decoding.append((replace(config, resident_extra=None), False))
-    chunks, chunk = [work.prefill_chunk], work.prefill_chunk
-    smallest = max(SHORTEST_CHUNK, min(SMALLEST_CHUNK, work.context // 16))
-    while (chunk := CHUNK if chunk is None or chunk > CHUNK else chunk // 2) >= smallest:
-        if chunk < work.chunk:
-            chunks.append(chunk)
     asked_blocks = config.prefill_block_tokens
     for dense in range(config.dense_layers, -1, -1):
         for settings, reused in decoding:
             for chunk in chunks:
                 # a shed chunk reads the earlier chunks' KV in blocks no larger than itself
-                blocks = asked_blocks if chunk == work.prefill_chunk else min(asked_blocks, chunk)
-                tried = replace(settings, dense_layers=dense, prefill_block_tokens=blocks)
-                yield tried, reused, replace(work, prefill_chunk=chunk)
+                blocks = asked_blocks if chunk == chunks[0] else min(asked_blocks, chunk)
+                candidates.append((replace(settings, dense_layers=dense, prefill_block_tokens=blocks), reused, chunk))
+    return tuple(candidates)
 
 
 def _shed_steps(asked, settings, reused_asked: bool, reused: bool, work: Workload, workload: Workload):

@@ -18,6 +18,7 @@ them at that capacity (``plan.resident_room``, ``room_from``).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -71,13 +72,14 @@ def resident_bytes(
     a slot and an age per position and a position per slot. One layer's buffers more for the copy
     while one grows. Rows kept 8-bit (``kept_bits``) stay codes, with a float32 scale per row and plane, and
     one buffer of the largest layer's rows in ``itemsize`` bytes takes them dequantised for attention."""
-    per_layer, widest = [], 0
-    for budget in budgets:
+    total, largest, widest = 0, 0, 0
+    for budget, layers in Counter(budgets).items():  # layers of one budget hold the same
         positions = resident_positions(rows_bound(budget, capacity, min_tokens) + PAGE_SLACK, extra)
         held = 2 * (positions + 1) * (head_dim + 4 if kept_bits == 8 else head_dim * itemsize)
-        per_layer.append(batch * kv_heads * (held + 12 * positions + 4 * (capacity + 1)))
+        layer = batch * kv_heads * (held + 12 * positions + 4 * (capacity + 1))
+        total, largest = total + layers * layer, max(largest, layer)
         widest = max(widest, batch * kv_heads * 2 * (positions + 1) * head_dim * itemsize)
-    return sum(per_layer) + max(per_layer, default=0) + (widest if kept_bits == 8 else 0)
+    return total + largest + (widest if kept_bits == 8 else 0)
 
 
 def room_from(planned: int, cap_gb: float | None) -> tuple[int, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -17,13 +18,12 @@ from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.selection.policies import policy_class, row_bits
 
 
-def offloaded_layer_indices(model_config, dense_layers: int, offloads: bool) -> list[int]:
-    """The layers whose KV goes to a CPU pool. Sliding-window layers keep their window on the device
-    whatever the policy (``SlidingLayer``); of the others, layers 0 .. dense_layers-1 keep their KV
-    there too (every layer where the policy does not offload). ``dense_layers`` counts layers, not
-    full-attention ones: what it guards against, speculating from a residual stream that is still
-    changing fast, depends on the depth alone."""
-    windows = sliding_windows(model_config)
+def offloaded_layer_indices(windows: tuple[int | None, ...], dense_layers: int, offloads: bool) -> list[int]:
+    """The layers whose KV goes to a CPU pool, of a model of these ``sliding_windows``. Sliding-window layers
+    keep their window on the device whatever the policy (``SlidingLayer``); of the others, layers
+    0 .. dense_layers-1 keep their KV there too (every layer where the policy does not offload).
+    ``dense_layers`` counts layers, not full-attention ones: what it guards against, speculating from a
+    residual stream that is still changing fast, depends on the depth alone."""
     dense = len(windows) if not offloads else dense_layers
     return [i for i, window in enumerate(windows) if window is None and i >= dense]
 
@@ -84,9 +84,16 @@ def host_pool_size(model_config, batch: int, tokens: int, dtype: torch.dtype, ra
     ``ranks`` tensor-parallel ranks (None in ``settings``: the field's default). A limited pool
     (``cpu_pool_gb``) holds at most its limit."""
     config = config_from(settings)
+    offloaded = offloaded_layer_indices(
+        sliding_windows(model_config), config.dense_layers, policy_class(config.policy).offloads
+    )
+    return pool_size(model_spec(model_config), len(offloaded), batch, tokens, dtype, ranks, config)
+
+
+def pool_size(spec, n_offloaded: int, batch: int, tokens: int, dtype: torch.dtype, ranks: int, config) -> PoolSize:
+    """``host_pool_size`` for a model's ``model_spec`` with ``n_offloaded`` offloaded layers and a ``RuntimeConfig``
+    (the memory plan's thousands of candidates, each of which would otherwise read the config again)."""
     policy = policy_class(config.policy)
-    spec = model_spec(model_config)
-    n_offloaded = len(offloaded_layer_indices(model_config, config.dense_layers, policy.offloads))
     kv_heads = spec.n_kv_heads // ranks
     rows = row_bytes(spec.head_dim, dtype, policy.codec, row_bits(config))
     pool_gb = None if config.cpu_pool_gb is None else config.cpu_pool_gb / ranks
@@ -139,19 +146,24 @@ class Model:
     weight_bytes: int  # the parameters in the plan's dtype
     layer_bytes: int = 0  # the largest decoder layer's parameters, in a streaming slot (0: none streams)
 
-    @property
+    # read once: a throughput search plans thousands of candidates, and each read of transformers' config is slow
+    @cached_property
     def spec(self):
         return model_spec(self.config)
 
-    @property
+    @cached_property
+    def windows(self) -> tuple[int | None, ...]:
+        return sliding_windows(self.config)
+
+    @cached_property
     def hidden(self) -> int:
         return self.config.hidden_size
 
-    @property
+    @cached_property
     def intermediate(self) -> int:
         return getattr(self.config, "intermediate_size", None) or self.config.ffn_dim  # OPT: ffn_dim
 
-    @property
+    @cached_property
     def vocab(self) -> int:
         return self.config.vocab_size
 

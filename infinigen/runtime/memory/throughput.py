@@ -137,7 +137,7 @@ def step_floor_ms(
     weights = streamed_count(config, spec.n_layers) * model.layer_bytes
     if not policy.offloads:
         return weights / (bandwidth_gb_s * 1e9) * 1e3
-    offloaded = len(offloaded_layer_indices(model.config, config.dense_layers, True))
+    offloaded = len(offloaded_layer_indices(model.windows, config.dense_layers, True))
     share = config.budget if policy.budgeted else 1.0
     rows = offloaded * work.batch * spec.n_kv_heads * math.ceil(share * work.tokens)
     nbytes = rows * row_bytes(spec.head_dim, dtype, policy.codec, row_bits(config)) + weights
