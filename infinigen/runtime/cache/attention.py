@@ -238,8 +238,8 @@ def fetch_ahead(cache, layer: OffloadedLayer, end: int, region: torch.Tensor | N
     blocks = []
     for lo in range(0, end, tokens):
         hi = min(end, lo + tokens)
-        into = region[:, :, lo:hi]
-        blocks.append(_read(cache, layer, lo, hi, codes, into) if decoded else _read(cache, layer, lo, hi, into))
+        staged, out = (codes, region[:, :, lo:hi]) if decoded else (region[:, :, lo:hi], None)
+        blocks.append(_read(cache, layer, lo, hi, staged, out))
     return blocks, region
 
 

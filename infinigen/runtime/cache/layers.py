@@ -67,11 +67,6 @@ class DenseLayer(_Layer):
         self.valid = torch.zeros(key_states.shape[0], 1, 0, dtype=torch.bool, device=key_states.device)
         self.is_initialized = True
 
-    def past_ahead(self, end: int) -> bool:
-        """Whether this layer's next multi-token step will read slots 0 .. end-1 from its pool (a later
-        prefill chunk's, this layer not yet reached), so they may be fetched ahead."""
-        return self.pool is not None and not self.policy.observes_attention and self.used == self.length == end
-
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
