@@ -109,6 +109,39 @@ def test_a_later_chunk_attends_to_blocks_fetched_during_the_layer_before(
     assert regions[0] == regions[1] and regions[2] == regions[3], "one region per chunk"
 
 
+@pytest.mark.cuda
+def test_blocks_fetched_ahead_keep_the_scales_they_were_queued_with(tokenizer, monkeypatch):
+    """8-bit blocks fetched ahead are dequantised on the transfer stream with the pool's scales, which the
+    layer's own store of the chunk then grows (a new tensor: 8-token pool blocks, 8-token chunks). Held
+    back (a sleep queued before each fetch), the copies still read the scales they were queued with,
+    whose memory served nothing else meanwhile: the same logits as without fetching ahead."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from infinigen.runtime.cache import attention
+
+    model, artifact = tiny_setup(tokenizer, "llama", "cuda")
+    ids = torch.randint(3, 512, (1, 64), generator=torch.Generator().manual_seed(6)).cuda()
+    fetch_ahead = attention.fetch_ahead
+
+    def held_back(cache, *args):
+        with torch.cuda.stream(cache.stream):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of the transfer stream's time
+        return fetch_ahead(cache, *args)
+
+    def generated(ahead: bool) -> torch.Tensor:
+        options = dict(kv_bits=8, block_tokens=8, prefill_block_tokens=8, prefill_fetch_ahead=ahead, dense_layers=0)
+        cache = cache_for(model, artifact, policy="infinigen", **options)
+        kwargs = {cache_argument(model): cache, "prefill_chunk_size": 8, "pad_token_id": 1}
+        out = model.generate(
+            input_ids=ids, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs
+        )
+        return torch.stack(out.logits)
+
+    behind = generated(False)
+    monkeypatch.setattr(attention, "fetch_ahead", held_back)
+    assert torch.equal(generated(True), behind), "the same logits"
+
+
 def test_later_chunks_mask_only_the_blocks_that_hold_padding(tokenizer, device, monkeypatch):
     """A left-padded batch (prompts of 13 and 23 tokens: 10 padding keys) in 8-token chunks, read back 5
     rows a block: the blocks before the padding's end carry the mask, the rest none (the flash kernel on

@@ -259,6 +259,10 @@ def _read(cache, layer: OffloadedLayer, lo: int, hi: int, staged: torch.Tensor, 
     with torch.cuda.stream(cache.stream):
         part = layer.pool.read_rows(lo, hi, staged, layer.dtype, out)
         ready = cache.stream.record_event()
+    # a block fetched ahead is dequantised after the layer's own store of the chunk may have grown (replaced) its
+    # 8-bit scales (``KVPool.reserve``): their memory must serve no other tensor before then
+    if layer.pool.scales is not None:
+        layer.pool.scales.record_stream(cache.stream)
     return part, ready
 
 
