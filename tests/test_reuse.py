@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_for
-from infinigen.runtime.config import DEFAULT_RESIDENT_EXTRA, RuntimeConfig, parse_value
+from infinigen.runtime.config import DEFAULT_RESIDENT_EXTRA, RuntimeConfig, config_from, parse_value
 from infinigen.runtime.kernels import placement
 from infinigen.runtime.memory import reuse
 from infinigen.runtime.memory.reuse import Placement, ResidentRows
@@ -319,12 +319,17 @@ def pretend_a_gpu(monkeypatch, free: int = 10**12) -> None:
 
 def decode(tokenizer, **settings):
     """Greedy tokens and the summary of a tiny Llama decoding 16 tokens after padded prompts of 40 and
-    57 tokens (pool blocks of 8 tokens: the pools grow during decoding)."""
+    57 tokens (pool blocks of 8 tokens: the pools grow during decoding). The cache runs under its run's plan
+    made without a budget, as a client's: auto reuse then decides within the budget as the pools grow."""
+    from infinigen.runtime.memory import plan
+
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (40, 57)]
     inputs = padded_batch(prompts, pad=1, device="cpu")
-    cache = cache_for(model, artifact, policy="infinigen", block_tokens=8, **settings)
+    config = config_from(dict(policy="infinigen", block_tokens=8, **settings))
+    found = plan.plan_for(model, config, plan.Workload(2, 57, 16, None, padded=True), None)
+    cache = cache_for(model, artifact, plan=found)
     return greedy(model, inputs, cache, new_tokens=16), cache
 
 

@@ -277,7 +277,7 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
         sampling = replace(sampling, seed=sampling.seed + index)
     failure = None  # out of GPU memory: the plan's miss, not the requests'
     try:
-        with cache_for(job.model, job.artifact, **memory.cache_settings(found)) as cache:
+        with cache_for(job.model, job.artifact, plan=found) as cache:
             new, stats = generate_ids(
                 job.model,
                 tokenizer,

@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -62,6 +63,7 @@ class BenchCase:
     runtime: dict = field(default_factory=dict)
     prefill_chunk: int | None = None  # the prompt's chunks, as ``generate`` prefills (None: one forward)
     planned: dict | None = None  # the memory plan's settings for the cache (``planned``), where they differ
+    plan: Any = field(default=None, compare=False, repr=False)  # that plan (``memory.MemoryPlan``): the cache's
     accelerate_gpu_bytes: int | None = None  # hf-accelerate: the weights accelerate may map to the GPU
 
     def __post_init__(self) -> None:
@@ -109,7 +111,7 @@ def make_cache(model: PreTrainedModel, artifact: Artifact | None, case: BenchCas
     cache = ACCELERATED.get(case.policy, case.policy)  # transformers' cache of an accelerate baseline
     if cache in ("hf-dynamic", "hf-offloaded"):
         return DynamicCache(config=model.config, offloading=cache == "hf-offloaded")
-    return InfinigenCache(model, case.config, artifact)
+    return InfinigenCache(model, case.config, artifact, case.plan)
 
 
 def _sync(device: torch.device) -> None:

@@ -4,7 +4,6 @@ is one line and exit code 2 (ours, and the command-line parser's), never a trace
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import Annotated
@@ -70,10 +69,9 @@ def main(
     ] = False,
 ) -> None:
     """InfiniGen for Hugging Face transformers."""
-    # Before anything allocates on a GPU: PyTorch's allocator grows its segments in place instead of
-    # leaving freed ones too small for the next request, so a run the memory plan fits does not fail
-    # on fragments of a nearly full card (a user's own setting wins).
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from infinigen.runtime.memory import allocator
+
+    allocator.before_cuda()  # PyTorch's allocator as the memory plan assumes it (a user's own setting wins)
 
 
 def command(fn: Callable | None = None, *, on: typer.Typer = app) -> Callable:

@@ -119,9 +119,8 @@ def generate(
     checked = open_artifact(read, loaded.model) if read is not None else None
     tokenizer = loaded.tokenizer
     prompts = _templated(prompts, tokenizer, chat)
-    settings = memory.cache_settings(planned[0]) if planned else vars(config)
     chunk = planned[0].workload.prefill_chunk or 0 if planned else prefill_chunk
-    with cache_for(loaded.model, checked, **settings) as cache:
+    with cache_for(loaded.model, checked, **({"plan": planned[0]} if planned else vars(config))) as cache:
         texts, stats = generate_text(
             loaded.model,
             tokenizer,

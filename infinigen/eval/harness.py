@@ -151,7 +151,7 @@ class HarnessModel:
             for start in range(0, len(group), self.batch_size):
                 batch = [pairs[i] for i in group[start : start + self.batch_size]]
                 found = scoring_plan(self.model, self.settings, batch)
-                with cache_for(self.model, self.artifact, **memory.cache_settings(found)) as cache:
+                with cache_for(self.model, self.artifact, plan=found) as cache:
                     scores = continuation_scores(self.model, cache, batch, self.pad, found.workload.chunk)
                 for i, score in zip(group[start : start + self.batch_size], scores, strict=True):
                     results[i] = score
@@ -224,7 +224,7 @@ class HarnessModel:
         if why := memory.why_not(found):
             raise InfinigenError(why)
         chunk = found.workload.prefill_chunk
-        with cache_for(self.model, self.artifact, **memory.cache_settings(found)) as cache:
+        with cache_for(self.model, self.artifact, plan=found) as cache:
             output = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,

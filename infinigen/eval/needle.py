@@ -104,13 +104,14 @@ def answers(
     tokenizer: PreTrainedTokenizerBase,
     artifact: Artifact | None,
     prompts: list[NeedlePrompt],
-    settings: dict,
+    found: memory.MemoryPlan,
 ) -> list[dict]:
-    """Prompts of one length (no padding) through one fresh cache, a row each: the greedy answer, whether it
-    holds the code, the share of the cached tokens a step fetched (the batch's)."""
+    """Prompts of one length (no padding) through one fresh cache under the plan ``found`` (of the longest
+    prompts), a row each: the greedy answer, whether it holds the code, the share of the cached tokens a step
+    fetched (the batch's)."""
     if len({len(prompt.ids) for prompt in prompts}) != 1:
         raise ValueError("prompts answered together must have one length")
-    cache = cache_for(model, artifact, **settings)
+    cache = cache_for(model, artifact, plan=found)
     ids = torch.tensor([prompt.ids for prompt in prompts], device=model.device)
     outputs = tokenizer.batch_decode(greedy_after(model, cache, ids, prompts[0].question_start, ANSWER_TOKENS))
     fetched = cache.summary()["fraction_fetched"]
@@ -157,7 +158,7 @@ def needle_accuracy(
     answered = []
     for group in by_length.values():  # every batch with the settings the longest one's plan leaves
         for start in range(0, len(group), rows):
-            for row in answers(model, tokenizer, artifact, group[start : start + rows], memory.cache_settings(found)):
+            for row in answers(model, tokenizer, artifact, group[start : start + rows], found):
                 answered.append(row)
                 on_answer(row)
     cells: dict[tuple[int, float], list[bool]] = {}

@@ -65,7 +65,7 @@ def perplexity(
         found = planned(model, settings, rows.shape[0], prefix, ids.shape[1] - 1 - prefix)
         if why := memory.why_not(found):  # the sweep goes on: this row says why it did not run
             return {**settings, "memory_plan": memory.summary(found), "error": why}
-        cache = cache_for(model, artifact, **memory.cache_settings(found))
+        cache = cache_for(model, artifact, plan=found)
         cache.diagnostics.decode_probe = probe
         nll.append(teacher_forced_nll(model, cache, rows, prefix, on_step=on_step, chunk=found.workload.chunk).cpu())
         summary = cache.summary()

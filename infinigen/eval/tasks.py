@@ -194,7 +194,7 @@ def choice_logprobs(
     the fractions of the KV that run fetched (of its tokens and of its 16-bit bytes), and the plan."""
     pairs = choice_pairs(tokenizer, examples)
     found = scoring_plan(model, {"block_tokens": SHORT_BLOCK_TOKENS} | settings, pairs)
-    cache = cache_for(model, artifact, **memory.cache_settings(found))
+    cache = cache_for(model, artifact, plan=found)
     pad = pad_token_id(tokenizer)
     scores = iter(continuation_logprobs(model, cache, pairs, pad, found.workload.chunk))
     summary = cache.summary()

@@ -20,6 +20,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infinigen.errors import InfinigenError
 from infinigen.runtime.config import RuntimeConfig, config_from
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
     from infinigen.artifacts import Artifact
     from infinigen.runtime.cache import InfinigenCache
+    from infinigen.runtime.memory.plan import MemoryPlan
 
 _LAZY = {
     "InfinigenCache": "infinigen.runtime.cache",
@@ -58,8 +60,10 @@ def load(
     """
     from infinigen.artifacts import open_artifact, read_artifact
     from infinigen.models import load_model
+    from infinigen.runtime.memory import allocator
 
     read = read_artifact(artifact)  # refused before the weights load
+    allocator.before_cuda()  # PyTorch's allocator as the memory plan assumes it
     loaded = load_model(model, device=device, dtype=dtype)
     loaded.model.infinigen_artifact = open_artifact(read, loaded.model) if read is not None else None
     return loaded.model, loaded.tokenizer
@@ -68,19 +72,30 @@ def load(
 def cache_for(
     model: PreTrainedModel,
     artifact: Artifact | str | Path | None = None,
+    *,
+    plan: MemoryPlan | None = None,
     **settings,
 ) -> InfinigenCache:
     """A fresh cache for one ``model.generate`` call, connected to ``model`` until it is closed
     (``close()``, or as a context manager) or collected. ``settings`` are ``RuntimeConfig`` fields
-    (policy, budget, alpha, min_tokens, dense_layers, cpu_pool_gb, eviction, block_tokens,
-    reuse_rows, ...); None stands for a field's default."""
+    (policy, budget, alpha, min_tokens, dense_layers, cpu_pool_gb, eviction, gpu_memory_gb,
+    reuse_rows, ...); None stands for a field's default.
+
+    The cache runs under a memory plan: ``plan`` (``memory.plan``'s, for the run it was made for; then no
+    ``settings``), else its own, made at its first prefill within ``gpu_memory_gb`` or the device's free
+    memory (``runtime.cache.planning``)."""
     from infinigen.artifacts import open_artifact
     from infinigen.runtime.cache import InfinigenCache
+    from infinigen.runtime.memory.plan import cache_settings
 
     if isinstance(artifact, (str, Path)):
         artifact = open_artifact(artifact, model)
     artifact = artifact or getattr(model, "infinigen_artifact", None)
-    return InfinigenCache(model, config_from(settings), artifact)
+    if plan is not None:
+        if settings:
+            raise InfinigenError("cache_for takes a plan or settings, not both: the plan's settings run")
+        settings = cache_settings(plan)
+    return InfinigenCache(model, config_from(settings), artifact, plan)
 
 
 __all__ = [

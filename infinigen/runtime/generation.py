@@ -23,6 +23,8 @@ from transformers import PreTrainedModel
 from infinigen.errors import InfinigenError
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.cache.graphs import capture
+from infinigen.runtime.cache.planning import plan_run
+from infinigen.runtime.memory.plan import Workload
 from infinigen.runtime.streams import side_stream
 
 
@@ -139,7 +141,13 @@ def decode(
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
     cache.expect(generation_config.max_length)  # the prompt and every new token (generate has set it)
-    logits = prefill(model, cache, input_ids, mask, getattr(generation_config, "prefill_chunk_size", None))
+    # the whole run planned before the prefill: its chunk the plan's where none or a larger one is asked
+    asked = getattr(generation_config, "prefill_chunk_size", None)
+    batch, context = input_ids.shape
+    work = Workload(batch, context, generation_config.max_length - context, asked, not bool(mask.all()))
+    chunk = plan_run(cache, work).workload.prefill_chunk
+    cache.prefill_chunks = (asked, chunk)
+    logits = prefill(model, cache, input_ids, mask, chunk)
     step = StepGraph(model, cache)
     position = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)  # (B, 1) of the last prompt token
     pad = generation_config.pad_token_id

@@ -25,11 +25,12 @@ from infinigen.errors import InfinigenError
 from infinigen.runtime.cache.diagnostics import Diagnostics
 from infinigen.runtime.cache.hooks import attach
 from infinigen.runtime.cache.layers import DenseLayer, Fetched, OffloadedLayer
+from infinigen.runtime.cache.row_reuse import RowReuse
 from infinigen.runtime.cache.sliding import SlidingLayer
 from infinigen.runtime.cache.stats import cache_summary
 from infinigen.runtime.config import RuntimeConfig
 from infinigen.runtime.kernels import int8_rows
-from infinigen.runtime.memory import plan, reuse
+from infinigen.runtime.memory import allocator, plan, reuse
 from infinigen.runtime.memory.host_memory import HostBlocks
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import blocks_ahead, offloaded_layer_indices, pool_limit
@@ -48,28 +49,32 @@ def _emptied_then_closed(layers: list, streamed: StreamedWeights) -> None:
     streamed.close()
 
 
-class InfinigenCache(Cache):
-    def __init__(self, model: PreTrainedModel, config: RuntimeConfig, artifact: Artifact | None = None) -> None:
+class InfinigenCache(RowReuse, Cache):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: RuntimeConfig,
+        artifact: Artifact | None = None,
+        memory_plan: plan.MemoryPlan | None = None,
+    ) -> None:
         self.spec = model_spec(model.config)
-        self.config = config
-        # its flags; each offloaded layer holds an instance
-        self.policy_type = supported_policy(config, has_artifact=artifact is not None)
-        windows = sliding_windows(model.config)
-        self.offloaded_indices = offloaded_layer_indices(windows, config.dense_layers, self.policy_type.offloads)
-        self.n_offloaded = len(self.offloaded_indices)
-        blocks = decoder_layers(model)
+        self.artifact = artifact
+        self.model_ref = weakref.ref(model)  # to make the layers again where the plan changes their settings
+        self.asked = config  # the settings as given; ``config``: as they run (the plan's choices applied)
+        # the plan the cache runs under: the caller's, else its own from its first forward (``planning``)
+        self.memory_plan = memory_plan
+        self.prefill_chunks: tuple[int | None, int | None] | None = None  # infinigen.decode's: (asked, taken)
         # the heads this rank computes (all in one process); refuses KV heads the ranks do not divide
-        self.shard = head_shard(blocks[0].self_attn, self.spec.head_dim)
-        # each offloaded layer's share of the budget (``allocation``), from the whole artifact on every rank
-        self.layer_budgets, self.allocation = offloaded_budgets(
-            config.budget, config.allocation, artifact if self.policy_type.budgeted else None, self.offloaded_indices
-        )
-        super().__init__(layers=self._made_layers(model, blocks, artifact))
+        supported_policy(config, has_artifact=artifact is not None)
+        self.shard = head_shard(decoder_layers(model)[0].self_attn, self.spec.head_dim)
+        super().__init__(layers=[])
+        allocator.expandable(next(model.parameters()).device)  # the allocator the plan assumes
         # the running forward's rotary (cos, sin) by layer type (None: one for every layer; hooks.py)
         self.ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rope_types = tuple(getattr(model.config, "layer_types", None) or (None,) * self.spec.n_layers)
         self.decoding = False  # whether the running forward is a decode step (one token per row)
-        self.device = next(model.parameters()).device
+        param = next(model.parameters())
+        self.device, self.weights_dtype = param.device, param.dtype
         cuda = self.device.type == "cuda"
         self.stream = side_stream(self.device, "transfer") if cuda else None  # row moves
         self.selection_stream = side_stream(self.device, "selection") if cuda else None
@@ -85,23 +90,44 @@ class InfinigenCache(Cache):
         self.capturing = False  # a decode step is being captured: no host work that a replay would skip
         self.replayed_steps = 0  # decode steps run as graph replays (the last one's waits are timed)
         self.diagnostics = Diagnostics()
-        # row reuse (budgeted policies only): as asked, or auto (``reuse_auto``: a decision still to make, or to check
-        # again as the pools grow); the rows of earlier steps it keeps and the bits it keeps rows in, as they apply
-        self.reuse, self.reuse_auto, self.resident_extra, self.resident_bits = reuse.initial(config, self.policy_type)
         self.gpu_budget: int | None = None  # the budget auto reuse plans within, from the first prefill
         self.expected_tokens = 0  # what the run will cache per row, where its decode loop says (``expect``)
         # what the plan reads of the model: its config and its weights (every tensor-parallel rank's)
         self.planned = plan.loaded_model(model, self.shard.ranks)
         self.reuse_capacity = 0  # the pool capacity of the latest auto decision
-        streamed = weights_for_run(model, config, self.device, self.shard.ranks)
-        # the weights go back once the KV is gone: at a budget that streams them both do not fit at once
-        self.streamed = (
-            weakref.finalize(self, _emptied_then_closed, self.layers, streamed) if streamed is not None else None
-        )
+        self.streamed: weakref.finalize | None = None
+        self.configure(model, config)
         self.closing_summary: dict | None = None  # the summary as it stood at ``close``
-        self.graphs = config.cuda_graphs and streamed_weights(model) is None  # a graph would keep one slot a layer
         # last: a cache that failed to initialise leaves nothing on the model
         self._detach = weakref.finalize(self, attach(model, self))
+
+    def configure(self, model: PreTrainedModel, config: RuntimeConfig) -> None:
+        """What the settings decide, before any KV is stored (made again where the plan changes them):
+        the layers and their shares of the budget, row reuse as it starts, the weights streamed."""
+        if any(layer.is_initialized for layer in self.layers):
+            raise InfinigenError("a cache's settings cannot change once it holds KV")
+        self.config = config
+        # its flags; each offloaded layer holds an instance
+        self.policy_type = supported_policy(config, has_artifact=self.artifact is not None)
+        windows = sliding_windows(model.config)
+        self.offloaded_indices = offloaded_layer_indices(windows, config.dense_layers, self.policy_type.offloads)
+        self.n_offloaded = len(self.offloaded_indices)
+        # each offloaded layer's share of the budget (``allocation``), from the whole artifact on every rank
+        artifact = self.artifact if self.policy_type.budgeted else None
+        self.layer_budgets, self.allocation = offloaded_budgets(
+            config.budget, config.allocation, artifact, self.offloaded_indices
+        )
+        self.layers[:] = self._made_layers(model, decoder_layers(model), self.artifact)
+        # row reuse (budgeted policies only): as asked, or auto (``reuse_auto``: a decision still to make, or to check
+        # again as the pools grow); the rows of earlier steps it keeps and the bits it keeps rows in, as they apply
+        self.reuse, self.reuse_auto, self.resident_extra, self.resident_bits = reuse.initial(config, self.policy_type)
+        self.reuse_from_plan()
+        if self.streamed is None:
+            streamed = weights_for_run(model, config, self.device, self.shard.ranks)
+            # the weights go back once the KV is gone: at a budget that streams them both do not fit at once
+            if streamed is not None:
+                self.streamed = weakref.finalize(self, _emptied_then_closed, self.layers, streamed)
+        self.graphs = config.cuda_graphs and streamed_weights(model) is None  # a graph would keep one slot a layer
 
     def _made_layers(self, model: PreTrainedModel, blocks, artifact: Artifact | None) -> list:
         """One layer per decoder block: sliding-window, dense (KV on the device), or offloaded with its
@@ -189,42 +215,6 @@ class InfinigenCache(Cache):
         nbytes = row_bytes(self.spec.head_dim, dtype, self.policy_type.codec, row_bits(self.config))
         pool_gb = None if self.config.cpu_pool_gb is None else self.config.cpu_pool_gb / self.shard.ranks
         return pool_limit(pool_gb, self.n_offloaded, batch, self.shard.kv_count, nbytes, self.config.block_tokens)
-
-    # --- row reuse ---------------------------------------------------------------------------
-
-    def measure_reuse_room(self) -> None:
-        """At the first prefill (never inside a captured step): the GPU budget auto reuse plans within
-        (``RuntimeConfig.gpu_memory_gb``, else the device's free memory then). On the CPU no bytes are
-        saved, so auto reuses rows only to attend rows of earlier steps (the GPU's selection, the same
-        rows attended)."""
-        if self.reuse_auto and self.gpu_budget is None:
-            self.gpu_budget = plan.budget_bytes(self.config.gpu_memory_gb, self.device)
-            if self.gpu_budget is None:
-                self.resident_extra = self.config.resident_extra_or_default
-                self.reuse = reuse.decide(0, None, self.resident_extra)
-                self.reuse_auto = False
-
-    def reuses(self, layer: OffloadedLayer) -> bool:
-        """Whether ``layer``'s decode fetches keep rows on the GPU. Auto decides at the first decode
-        fetch and again whenever a pool has grown, from host arithmetic alone (it may run while a step
-        is captured): with as many rows of earlier steps as fit, in 16 bits, else 8 (``reuse.fallback_settings``),
-        else without them, else off. Where the rows kept no longer fit, every layer drops them and goes on."""
-        if self.reuse_auto and layer.capacity > self.reuse_capacity:
-            batch, kv_heads = layer.valid.shape[:2]
-            sizes = (layer.head_dim, layer.dtype.itemsize, layer.capacity, self.layer_budgets, self.config.min_tokens)
-            planned = plan.resident_room(
-                self.planned, layer.dtype, batch, layer.capacity, self.config, self.gpu_budget, ranks=self.shard.ranks
-            )
-            room = reuse.room_from(planned, self.config.reuse_gpu_gb)
-            need = partial(reuse.resident_bytes, batch, kv_heads, *sizes)
-            decision, extra, bits = reuse.decide_extra(need, room, self.config)
-            if self.reuse.on and (not decision.on or extra < self.resident_extra or bits != self.resident_bits):
-                for other in self.offloaded:
-                    other.resident = None  # a step's rows in flight stay referenced by its ``Fetched``
-                decision = reuse.Decision(decision.on, f"{decision.reason}, from {layer.capacity} tokens on")
-            self.reuse, self.reuse_auto, self.reuse_capacity = decision, decision.on, layer.capacity
-            self.resident_extra, self.resident_bits = extra, bits
-        return self.reuse is not None and self.reuse.on
 
     # --- decode steps ------------------------------------------------------------------------
 

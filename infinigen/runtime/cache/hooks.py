@@ -2,8 +2,9 @@
 model lives (``attach``), removed with the last one.
 
 - On the decoder stack (the module that builds the attention masks and runs the blocks): a forward
-  given one of the model's live caches runs with the ``ATTENTION`` implementation, masks included;
-  every other forward keeps the model's own (eager, SDPA, flash: whatever it was loaded with).
+  given one of the model's live caches is first checked against the cache's memory plan (``planning``),
+  then runs with the ``ATTENTION`` implementation, masks included; every other forward keeps the
+  model's own (eager, SDPA, flash: whatever it was loaded with).
 - On each decoder block: bind the running cache to the block's attention (unbound after the block,
   also when it raised), and during decode start the selection and prefetch of the next layer
   (``_step_hook``, ``_after_attention_hook``).
@@ -30,6 +31,7 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from infinigen.architectures import Norm, attention_norm, decoder_layers, decoder_stack, mlp_norm, one_kernel_norm
 from infinigen.runtime.cache.attention import ATTENTION, bind, bound_cache, unbind
 from infinigen.runtime.cache.layers import OffloadedLayer
+from infinigen.runtime.cache.planning import check_forward
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Attachment] = weakref.WeakKeyDictionary()
 
@@ -101,6 +103,10 @@ class Attachment:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is None or cache not in self.caches or self.running is not None:
             return
+        given = (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1])
+        inputs = next((t for t in given if isinstance(t, torch.Tensor)), None)  # (B, T) or (B, T, hidden)
+        if inputs is not None:  # before anything of the forward is allocated
+            check_forward(cache, inputs.shape[0], inputs.shape[1], kwargs.get("attention_mask"))
         self.running = cache
         self.own = [config._attn_implementation_internal for config in self.configs]
         for config in self.configs:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinigen.runtime.cache import planning
 from infinigen.runtime.kernels import int8_rows
 from infinigen.runtime.selection.policies import row_bits
 
@@ -190,5 +191,6 @@ def cache_summary(cache) -> dict:
         "reuse_rows": None if cache.reuse is None else str(cache.reuse),  # e.g. "on (auto: 0.40 GB fits in ...)"
         "resident_extra": cache.resident_extra if cache.policy_type.budgeted else None,  # as it applied at the end
         "resident_bits": cache.resident_bits if cache.reuse is not None and cache.reuse.on else None,
+        "memory_plan": planning.summary(cache),  # the plan it ran under, with the prefill chunk taken
     }
     return head | summary | {"replayed_steps": cache.replayed_steps}

@@ -44,6 +44,8 @@ from infinigen.runtime.memory import host_memory, reuse, streaming
 from infinigen.runtime.memory.pool import row_bytes
 from infinigen.runtime.memory.sizing import (
     Model,
+    gb,
+    largest,
     offloaded_layer_indices,
     pool_block_tokens,
     pool_size,
@@ -79,6 +81,9 @@ class Workload:
     prefill_chunk: int | None = None  # None: the whole prompt in one forward
     # rows of different lengths, left-padded: every prefill attention then takes a mask, as an additive bias
     padded: bool = False
+    # decode steps in transformers' own loop (not ``infinigen.decode``): each offloaded layer's selection is
+    # then a CUDA graph of its own, whose memory pool keeps its workspace (``SelectionGraph``)
+    layer_graphs: bool = False
 
     @property
     def tokens(self) -> int:
@@ -109,6 +114,7 @@ class MemoryPlan:
     model: Model | None = None  # what it planned for, in which dtype (``refusal`` plans around it)
     dtype: torch.dtype | None = None
     weights_loaded: bool = False  # the model is loaded: its streamed layers hold their host memory already
+    asked: RuntimeConfig | None = None  # the settings it was asked to plan
 
     def gpu(self, phase: Phase | None = None) -> int:
         return sum(p.nbytes for p in self.parts if p.where == "gpu" and (phase is None or p.phase == phase))
@@ -191,6 +197,9 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
             parts.append(Part(FETCHED_AHEAD, "gpu", batch * kv * past * 2 * read, "prefill"))
         selection = 3 * 4 * batch * kv * capacity  # scores, their ranks and counts, float32 / int32
         parts.append(Part("decode: selection workspace", "gpu", selection, "decode"))
+        if work.layer_graphs and config.cuda_graphs:
+            graphs = (len(offloaded) - 1) * selection
+            parts.append(Part("decode: the other layers' selection graphs", "gpu", graphs, "decode"))
     parts += _prefill_parts(model, work, config, kv, heads, d, e)
     step = batch * (4 * model.hidden + 3 * model.intermediate + model.vocab) * e * 2
     parts.append(Part("decode: a step's activations", "gpu", step, "decode"))
@@ -280,7 +289,8 @@ def plan(
             settings = replace(settings, streamed_layers=streamed)
         parts = plan_parts(model, dtype, workload, settings, reused, **opts)
         shed = tuple(_shed_steps(config, settings, reuse_on, reused, work, workload))
-        return MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
+        found = MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
+        return replace(found, asked=config)
 
     # 8-bit rows by default, 16-bit ones where nothing fits with their scales on the GPU
     behind = replace(config, prefill_fetch_ahead=False)  # kept last, where room is left (speed alone)
@@ -382,9 +392,12 @@ def plan_for(model, config: RuntimeConfig, work: Workload, budget: int | None) -
 def cache_settings(found: MemoryPlan) -> dict:
     """The ``RuntimeConfig`` fields a cache runs the plan with: its settings, row reuse as planned."""
     settings = {f: getattr(found.config, f) for f in found.config.__dataclass_fields__}
-    if policy_class(found.policy).budgeted and found.config.reuse_rows == "auto" and found.budget is not None:
-        settings["reuse_rows"] = "on" if found.reuse else "off"
-        settings["resident_extra"] = found.config.resident_extra_or_default if found.reuse else None
+    if policy_class(found.policy).budgeted and found.config.reuse_rows == "auto":
+        if found.budget is not None:
+            settings["reuse_rows"] = "on" if found.reuse else "off"
+            settings["resident_extra"] = found.config.resident_extra_or_default if found.reuse else None
+        elif found.asked is not None:  # no budget: auto decides them as the pools grow, as asked
+            settings |= {f: getattr(found.asked, f) for f in ("resident_extra", "resident_bits")}
     return settings
 
 
@@ -480,18 +493,3 @@ def refusal(found: MemoryPlan, **opts) -> str:
     if found.budget is not None and model.weight_bytes > found.budget:
         return line + ": the weights alone do not fit"
     return line + (f"; nearest that fits: {', or '.join(nearest)}" if nearest else "; nothing smaller fits either")
-
-
-def largest(fits, low: int, high: int) -> int:
-    """The largest n in [low, high] with ``fits(n)`` (monotone: fits up to some n), or low - 1 if none."""
-    if not fits(low):
-        return low - 1
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low
-
-
-def gb(nbytes: float) -> float:
-    """GB (10^9 bytes) to four significant digits."""
-    return float(f"{nbytes / 1e9:.4g}")

@@ -184,3 +184,18 @@ def model_of(config, dtype: torch.dtype) -> Model:
 
 
 _COUNTS: dict[str, tuple[int, list[int]]] = {}  # parameters, the largest layer's: a sweep plans a model often
+
+
+def largest(fits, low: int, high: int) -> int:
+    """The largest n in [low, high] with ``fits(n)`` (monotone: fits up to some n), or low - 1 if none."""
+    if not fits(low):
+        return low - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def gb(nbytes: float) -> float:
+    """GB (10^9 bytes) to four significant digits."""
+    return float(f"{nbytes / 1e9:.4g}")
