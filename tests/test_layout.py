@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "infinigen"
 SCRIPTS = PACKAGE.parent / "benchmarks"
-CLIENTS = ("infinigen.eval", "infinigen.bench", "infinigen.cli", "infinigen.prepare")
+CLIENTS = ("infinigen.eval", "infinigen.bench", "infinigen.cli", "infinigen.prepare", "infinigen.serve")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -34,9 +34,9 @@ def test_runtime_imports_none_of_its_clients(path):
 
 
 @pytest.mark.parametrize(
-    "path", sorted([*(PACKAGE / "eval").rglob("*.py"), *(PACKAGE / "bench").rglob("*.py")]), ids=str
+    "path", sorted(p for d in ("eval", "bench", "serve") for p in (PACKAGE / d).rglob("*.py")), ids=str
 )
-def test_eval_and_bench_do_not_import_the_command_line(path):
+def test_eval_bench_and_serve_do_not_import_the_command_line(path):
     leaks = {name for name in imported_modules(path) if name.startswith("infinigen.cli")}
     assert not leaks, f"{path.relative_to(PACKAGE)} imports {sorted(leaks)}"
 

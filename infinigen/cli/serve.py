@@ -1,0 +1,52 @@
+"""``infinigen serve``: an OpenAI-compatible server (``infinigen.serve``; the package's ``serve`` extra)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from infinigen.cli.app import command
+from infinigen.cli.options import ArtifactOpt, DeviceOpt, DtypeOpt, ModelArg, runtime_options
+from infinigen.cli.render import err_console
+from infinigen.errors import InfinigenError
+
+
+@command
+@runtime_options(sweep=False)
+def serve(
+    runtime: dict,
+    model: ModelArg = None,
+    artifact: ArtifactOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    served_name: Annotated[
+        str | None, typer.Option(help="The model's name in the API (default: MODEL as given, or smollm2-135m).")
+    ] = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+) -> None:
+    """Serve the model over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+    Examples:\n
+      infinigen serve --artifact skewed/\n
+      infinigen serve llama-3-8b --artifact me/llama3-infinigen --gpu-memory-gb 24 --port 8000
+    """
+    try:
+        from infinigen.serve.app import run
+        from infinigen.serve.engine import Engine
+    except ImportError as exc:
+        raise InfinigenError(f"infinigen serve needs the serve extra: pip install 'infinigen[serve]' ({exc})") from None
+    if not 0 < port < 65536:
+        raise InfinigenError(f"--port must be in 1..65535, got {port}")
+    from infinigen.artifacts import open_artifact, read_artifact
+    from infinigen.models import load_model
+    from infinigen.runtime import RuntimeConfig
+
+    RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
+    read = read_artifact(artifact)  # a missing or corrupted artifact too
+    loaded = load_model(model, device=device, dtype=dtype)
+    checked = open_artifact(read, loaded.model) if read is not None else None
+    engine = Engine(loaded.model, loaded.tokenizer, checked, runtime, served_name or model or "smollm2-135m")
+    err_console.print(f"serving {engine.name} on http://{host}:{port}/v1 ({engine.device}); SIGTERM drains it")
+    run(engine, host, port)
