@@ -1,7 +1,7 @@
 """The server's engine: a loaded model, its artifact and runtime settings, decoding one request at a time.
 
-Each request is planned before any work (``memory.plan``: its prompt, its new tokens, the budget as the device
-now stands): one that cannot fit is refused (a 400 with the plan's line). One that fits decodes through a fresh
+Each request is planned before any work (``memory.plan``: its prompt, its new tokens, the GPU budget measured
+as the engine started): one that cannot fit is refused (a 400 with the plan's line). One that fits decodes through a fresh
 cache under that plan (``cache_for(..., plan=)``) with ``infinigen.decode``, its tokens handed to the caller as
 they come. Requests wait their turn on a lock: a request's tokens are those it would get alone. Its stop
 strings, and the caller's ``stopped()`` (a client gone), end it at the next step; its cache, closed, frees its
@@ -26,8 +26,6 @@ from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.text import left_padded, pad_token_id
 from infinigen.serve.metrics import Metrics
 from infinigen.serve.protocol import Ask, RequestError
-
-PREFILL_CHUNK = 4096  # the chunk asked: the plan takes a smaller one where it must
 
 
 @dataclass
@@ -109,6 +107,9 @@ class Engine:
         self.lock = threading.Lock()
         self.metrics = Metrics()
         self.draining = False  # shutting down: running requests finish, new ones are refused
+        # the GPU budget every request is planned in, measured once with the weights loaded and nothing running:
+        # requests run one at a time, each with the whole of it (measured while another runs, it would be less)
+        self.budget = memory.budget_bytes(self.config.gpu_memory_gb, self.device)
         self.context = model.config.max_position_embeddings
         self.pad = pad_token_id(tokenizer)
         configured = getattr(model.generation_config, "eos_token_id", None)
@@ -139,9 +140,8 @@ class Engine:
                 f"{self.context} tokens",
                 "max_tokens",
             )
-        budget = memory.budget_bytes(self.config.gpu_memory_gb, self.device)
-        chunk = PREFILL_CHUNK if len(ids) > PREFILL_CHUNK else None
-        found = memory.plan_for(self.model, self.config, memory.Workload(1, len(ids), new_tokens, chunk), budget)
+        # the prompt in one forward where it fits (the fastest), else in the plan's chunks
+        found = memory.plan_for(self.model, self.config, memory.Workload(1, len(ids), new_tokens), self.budget)
         if why := memory.why_not(found):
             raise RequestError(why, "messages" if ask.chat else "prompt")
         return ids, new_tokens, found

@@ -102,7 +102,8 @@ def _grown(cache, seen: Workload) -> MemoryPlan:
     padded, layer_graphs = was.padded or seen.padded, was.layer_graphs or seen.layer_graphs
     work = Workload(max(was.batch, seen.batch), context, tokens - context, chunk, padded, layer_graphs)
     found = _planned(cache, work, cache.config, cache.memory_plan.budget)
-    kept = _layer_settings(found.config) == _layer_settings(cache.config) and found.workload.prefill_chunk == chunk
+    settings = RuntimeConfig(**plan.cache_settings(found))  # as a cache runs them
+    kept = _layer_settings(settings) == _layer_settings(cache.config) and found.workload.prefill_chunk == chunk
     if not (found.fits and kept):
         size = f"{work.batch} x {work.context} tokens (+{work.new_tokens} new)"
         why = plan.refusal(found) if not found.fits else f"it would need: {'; '.join(found.shed) or 'other settings'}"
