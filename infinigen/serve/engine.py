@@ -1,11 +1,11 @@
 """The server's engine: a loaded model, its artifact and runtime settings, decoding one request at a time.
 
-Each request is planned before any work (``memory.plan``: its prompt, its new tokens, the GPU budget measured
-as the engine started): one that cannot fit is refused (a 400 with the plan's line). One that fits decodes through a fresh
-cache under that plan (``cache_for(..., plan=)``) with ``infinigen.decode``, its tokens handed to the caller as
-they come. Requests wait their turn on a lock: a request's tokens are those it would get alone. Its stop
-strings, and the caller's ``stopped()`` (a client gone), end it at the next step; its cache, closed, frees its
-memory whatever happened.
+Each request is planned before any work (``memory.plan``: its prompt, its new tokens, the GPU budget
+measured as the engine started): one that cannot fit is refused (a 400 with the plan's line). One that fits
+decodes through a fresh cache under that plan (``cache_for(..., plan=)``) with ``infinigen.decode``, its
+tokens handed to the caller as they come. Requests wait their turn on a lock: a request's tokens are those
+it would get alone. Its stop strings, and the caller's ``stopped()`` (a client gone), end it at the next
+step; its cache, closed, frees its memory whatever happened.
 """
 
 from __future__ import annotations
