@@ -31,6 +31,7 @@ from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph
 from infinigen.runtime.config import config_from
 from infinigen.runtime.generation import prefill
 from infinigen.runtime.memory import host_memory
+from infinigen.runtime.memory.plan import cache_settings
 from infinigen.runtime.memory.throughput import host_to_device_gb_s
 from infinigen.runtime.weights import layer_bytes, streamed_weights
 from infinigen.tensor_parallel import together
@@ -62,8 +63,7 @@ class BenchCase:
     # further RuntimeConfig fields (a ``settings_grid`` row; None: the field's default)
     runtime: dict = field(default_factory=dict)
     prefill_chunk: int | None = None  # the prompt's chunks, as ``generate`` prefills (None: one forward)
-    planned: dict | None = None  # the memory plan's settings for the cache (``planned``), where they differ
-    plan: Any = field(default=None, compare=False, repr=False)  # that plan (``memory.MemoryPlan``): the cache's
+    plan: Any = field(default=None, compare=False, repr=False)  # the memory plan the cache runs (``planned_case``)
     accelerate_gpu_bytes: int | None = None  # hf-accelerate: the weights accelerate may map to the GPU
 
     def __post_init__(self) -> None:
@@ -76,8 +76,8 @@ class BenchCase:
 
     @property
     def config(self) -> RuntimeConfig:
-        if self.planned is not None:
-            return RuntimeConfig(**self.planned)
+        if self.plan is not None:
+            return RuntimeConfig(**cache_settings(self.plan))
         return config_from({**self.runtime, "policy": self.policy, "cuda_graphs": self.graphs != "off"})
 
 

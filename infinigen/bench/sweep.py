@@ -44,8 +44,7 @@ def planned_case(model: PreTrainedModel, case: BenchCase, budget: int | None) ->
     said = {"planned_peak_gpu_gb": memory.gb(found.peak_gpu), "given_up": "; ".join(found.shed) or None}
     if why := memory.why_not(found):
         return case, runs.case_settings(case) | {"error": why}, said
-    settings = memory.cache_settings(found)
-    planned = replace(case, planned=settings, plan=found, prefill_chunk=found.workload.prefill_chunk)
+    planned = replace(case, plan=found, prefill_chunk=found.workload.prefill_chunk)
     return planned, None, said
 
 

@@ -152,10 +152,15 @@ class Engine:
         """Decode ``ask`` (``admitted``: what ``admit`` said of it) in its turn, handing its text to ``on_text`` as
         it comes; ``stopped()``, asked at every step, ends it early (a client gone)."""
         ids, new_tokens, found = admitted
-        with self.metrics.counting("queued"), self.lock, self.metrics.counting("active"):
-            if stopped():  # gone while it waited
-                return Answer("", "stop", len(ids), 0)
-            return self._decode(ask, ids, new_tokens, found, on_text, stopped)
+        with self.metrics.counting("queued"):
+            self.lock.acquire()
+        try:
+            with self.metrics.counting("active"):
+                if stopped():  # gone while it waited
+                    return Answer("", "stop", len(ids), 0)
+                return self._decode(ask, ids, new_tokens, found, on_text, stopped)
+        finally:
+            self.lock.release()
 
     def _decode(self, ask: Ask, ids, new_tokens: int, found, on_text, stopped) -> Answer:
         started = time.perf_counter()

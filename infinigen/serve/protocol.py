@@ -55,8 +55,8 @@ DEFAULTS = {
     "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
-COMPLETION_FIELDS = COMMON | {"prompt"} | {"logprobs", "echo", "best_of", "suffix", "presence_penalty"}
-COMPLETION_FIELDS |= {"frequency_penalty", "logit_bias"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+COMPLETION_FIELDS |= {"presence_penalty", "frequency_penalty", "logit_bias"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | (set(DEFAULTS) - {"echo", "best_of", "suffix"})
 
 

@@ -65,16 +65,15 @@ class InfinigenCache(RowReuse, Cache):
         self.memory_plan = memory_plan
         self.prefill_chunks: tuple[int | None, int | None] | None = None  # infinigen.decode's: (asked, taken)
         # the heads this rank computes (all in one process); refuses KV heads the ranks do not divide
-        supported_policy(config, has_artifact=artifact is not None)
         self.shard = head_shard(decoder_layers(model)[0].self_attn, self.spec.head_dim)
         super().__init__(layers=[])
-        allocator.expandable(next(model.parameters()).device)  # the allocator the plan assumes
+        param = next(model.parameters())
+        self.device, self.weights_dtype = param.device, param.dtype
+        allocator.expandable(self.device)  # the allocator the plan assumes, before this cache allocates
         # the running forward's rotary (cos, sin) by layer type (None: one for every layer; hooks.py)
         self.ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rope_types = tuple(getattr(model.config, "layer_types", None) or (None,) * self.spec.n_layers)
         self.decoding = False  # whether the running forward is a decode step (one token per row)
-        param = next(model.parameters())
-        self.device, self.weights_dtype = param.device, param.dtype
         cuda = self.device.type == "cuda"
         self.stream = side_stream(self.device, "transfer") if cuda else None  # row moves
         self.selection_stream = side_stream(self.device, "selection") if cuda else None

@@ -48,8 +48,9 @@ def plan_run(cache, work: Workload) -> MemoryPlan:
         model = cache.model_ref()
         if model is None:
             raise InfinigenError("this cache's model is gone")
-        cache.configure(model, config)
-    cache.reuse_from_plan()
+        cache.configure(model, config)  # names the plan's reuse decision too
+    else:
+        cache.reuse_from_plan()
     return found
 
 

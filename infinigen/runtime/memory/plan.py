@@ -289,8 +289,9 @@ def plan(
             settings = replace(settings, streamed_layers=streamed)
         parts = plan_parts(model, dtype, workload, settings, reused, **opts)
         shed = tuple(_shed_steps(config, settings, reuse_on, reused, work, workload))
-        found = MemoryPlan(config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype)
-        return replace(found, asked=config)
+        return MemoryPlan(
+            config.policy, workload, settings, tuple(parts), budget, shed, reused, model, dtype, asked=config
+        )
 
     # 8-bit rows by default, 16-bit ones where nothing fits with their scales on the GPU
     behind = replace(config, prefill_fetch_ahead=False)  # kept last, where room is left (speed alone)
