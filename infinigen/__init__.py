@@ -7,6 +7,7 @@ _RUNTIME = (
     "cache_for",
     "decode",
     "InfinigenCache",
+    "PromptCache",
     "RuntimeConfig",
     "StepGraph",
     "reserve_host_memory",

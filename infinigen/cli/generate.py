@@ -42,6 +42,13 @@ def generate(
     ray_workers: Annotated[
         int, typer.Option(help="With --ray: workers (0: one per GPU of the cluster, 1 on CPUs).")
     ] = 0,
+    prompt_cache: Annotated[
+        Path | None,
+        typer.Option(
+            help="A prompt file: where it holds the start of this prompt, only the rest is computed; after the prompt, "
+            "it is written (unless it served all it would)."
+        ),
+    ] = None,
     chat: Annotated[bool, typer.Option(help="Wrap prompts in the tokenizer's chat template.")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sample at this temperature.")] = 0.0,
@@ -74,6 +81,13 @@ def generate(
     if input is not None and (prompt or prompt_file or batch_file or chat):
         raise InfinigenError("--input takes no --prompt, --prompt-file, --batch-file or --chat (chats: messages)")
     prompts = _prompts(prompt, prompt_file, batch_file) if input is None else []
+    if prompt_cache is not None:
+        from infinigen.runtime.cache.prompt_file import read_manifest
+
+        if len(prompts) != 1:
+            raise InfinigenError("--prompt-cache takes one prompt (--prompt or --prompt-file)")
+        if prompt_cache.exists():
+            read_manifest(prompt_cache)  # a damaged file refused before the model loads
     config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
     sampling = Sampling(temperature, top_p, top_k, seed)
     for name, value in (("--max-new-tokens", max_new_tokens), ("--max-batch", max_batch)):
@@ -104,7 +118,8 @@ def generate(
         if tokens > getattr(model_config, "max_position_embeddings", tokens):
             return  # refused once the model is loaded, with the reason
         subject = memory.model_of(model_config, torch_dtype)
-        work = memory.Workload(len(prompts), longest, max_new_tokens, prefill_chunk or None, len(lengths) > 1)
+        chunk, padded = prefill_chunk or None, len(lengths) > 1
+        work = memory.Workload(len(prompts), longest, max_new_tokens, chunk, padded, keeps=prompt_cache is not None)
         budget = memory.budget_bytes(config.gpu_memory_gb, on)
         found = memory.plan(subject, torch_dtype, work, config, budget, ranks=world_size())
         if why := memory.why_not(found):
@@ -121,6 +136,9 @@ def generate(
     prompts = _templated(prompts, tokenizer, chat)
     chunk = planned[0].workload.prefill_chunk or 0 if planned else prefill_chunk
     with cache_for(loaded.model, checked, **({"plan": planned[0]} if planned else vars(config))) as cache:
+        if prompt_cache is not None:
+            ids = torch.tensor(tokenizer(prompts)["input_ids"][0])
+            cache.prompts = _prompt_file_cache(prompt_cache, cache, ids)
         texts, stats = generate_text(
             loaded.model,
             tokenizer,
@@ -131,6 +149,8 @@ def generate(
             prefill_chunk=chunk,
             stream=not as_json and rank() == 0,  # every rank decodes the same tokens: one prints them
         )
+    if prompt_cache is not None:
+        _save_prompt_file(prompt_cache, cache, stats)
     if planned:
         stats["memory_plan"] = memory.summary(planned[0])
     if printed_json({"outputs": texts, "stats": stats}, as_json):
@@ -143,6 +163,30 @@ def generate(
     shown |= {key: value for key, value in shown.pop("memory_plan", {}).items() if value is not None}
     ranks = world_size()  # the statistics are rank 0's: the bytes of its KV heads
     print_pairs(f"{config.policy} on {loaded.model.device}" + (f", rank 0 of {ranks}" if ranks > 1 else ""), shown)
+
+
+def _prompt_file_cache(path: Path, cache, ids):
+    """Kept prompts for ``--prompt-cache``: the file's, where it exists (refused in one line where it cannot
+    serve ``ids``: another model, artifact or settings, another prompt, damage)."""
+    from infinigen.runtime.cache.prompt_file import check_prompt, load_prompt
+    from infinigen.runtime.cache.prompts import PromptCache
+
+    prompts = PromptCache()
+    if path.exists():
+        kept = load_prompt(path, cache.device)
+        check_prompt(kept, cache.prompt_key, ids, path)
+        prompts.add(kept)
+    return prompts
+
+
+def _save_prompt_file(path: Path, cache, stats: dict) -> None:
+    """The run's prompt written to ``path``, unless the file already served all it would (``KeptPrompt.usable``)."""
+    from infinigen.runtime.cache.prompt_file import save_prompt
+
+    kept = cache.prompts.newest
+    unit = kept.key["prefill_chunk"] if kept is not None else None
+    if unit and cache.reused_tokens < kept.length // unit * unit:
+        stats["prompt_file_bytes"] = save_prompt(kept, path)
 
 
 def _templated(prompts: list[str], tokenizer, chat: bool) -> list[str]:

@@ -28,10 +28,12 @@ if TYPE_CHECKING:
 
     from infinigen.artifacts import Artifact
     from infinigen.runtime.cache import InfinigenCache
+    from infinigen.runtime.cache.prompts import PromptCache
     from infinigen.runtime.memory.plan import MemoryPlan
 
 _LAZY = {
     "InfinigenCache": "infinigen.runtime.cache",
+    "PromptCache": "infinigen.runtime.cache.prompts",
     "StepGraph": "infinigen.runtime.generation",
     "cache_argument": "infinigen.runtime.generation",
     "decode": "infinigen.runtime.generation",
@@ -74,6 +76,7 @@ def cache_for(
     artifact: Artifact | str | Path | None = None,
     *,
     plan: MemoryPlan | None = None,
+    prompts: PromptCache | None = None,
     **settings,
 ) -> InfinigenCache:
     """A fresh cache for one ``model.generate`` call, connected to ``model`` until it is closed
@@ -83,7 +86,8 @@ def cache_for(
 
     The cache runs under a memory plan: ``plan`` (``memory.plan``'s, for the run it was made for; then no
     ``settings``), else its own, made at its first prefill within ``gpu_memory_gb`` or the device's free
-    memory (``runtime.cache.planning``)."""
+    memory (``runtime.cache.planning``). ``prompts``: kept prompts (``PromptCache``) that ``infinigen.decode``
+    starts a one-row prompt from (computing only the rest) and adds the prompt to."""
     from infinigen.artifacts import open_artifact
     from infinigen.runtime.cache import InfinigenCache
     from infinigen.runtime.memory.plan import cache_settings
@@ -95,12 +99,13 @@ def cache_for(
         if settings:
             raise InfinigenError("cache_for takes a plan or settings, not both: the plan's settings run")
         settings = cache_settings(plan)
-    return InfinigenCache(model, config_from(settings), artifact, plan)
+    return InfinigenCache(model, config_from(settings), artifact, plan, prompts)
 
 
 __all__ = [
     "POLICIES",
     "InfinigenCache",
+    "PromptCache",
     "RuntimeConfig",
     "StepGraph",
     "cache_argument",

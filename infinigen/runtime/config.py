@@ -196,6 +196,14 @@ class RuntimeConfig:
         "GPU memory in GB (10^9 bytes) the run may use, weights included; the memory plan fits the run into it "
         "or refuses it. Default: the device's free memory at start.",
     )
+    # kept prompts (``cache.prompts``): a prompt's KV stays in host memory after its run, and a later prompt that
+    # starts with it computes only the rest
+    prompt_cache_gb: float | None = option(
+        None,
+        "Host memory in GB (10^9 bytes) for prompts kept across the requests of a server (a later prompt that "
+        "starts with a kept one computes only the rest), the least recently used evicted first. Default: half the "
+        "host memory available at start; 0: none.",
+    )
     # Tuning of the CUDA row gather (``kernels.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".
     gather_programs: int | None = option(
         None, "Programs of the persistent CUDA gather (default: half the GPU's SMs).", cli=False
@@ -238,6 +246,8 @@ class RuntimeConfig:
             raise InfinigenError(f"reuse_gpu_gb must be >= 0 (None: no cap), got {self.reuse_gpu_gb}")
         if self.streamed_layers is not None and self.streamed_layers < 0:
             raise InfinigenError(f"streamed_layers must be 0 or more, got {self.streamed_layers}")
+        if self.prompt_cache_gb is not None and not (0 <= self.prompt_cache_gb < math.inf):
+            raise InfinigenError(f"prompt_cache_gb must be >= 0, got {self.prompt_cache_gb}")
         if self.gpu_memory_gb is not None and not (0 < self.gpu_memory_gb < math.inf):
             raise InfinigenError(f"gpu_memory_gb must be positive, got {self.gpu_memory_gb}")
         if self.resident_extra is not None and not 0 <= self.resident_extra <= 8:

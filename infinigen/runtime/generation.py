@@ -23,9 +23,12 @@ from transformers import PreTrainedModel
 from infinigen.errors import InfinigenError
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.cache.graphs import capture
+from infinigen.runtime.cache.kept import keep, restore
 from infinigen.runtime.cache.planning import plan_run
 from infinigen.runtime.memory.plan import Workload
 from infinigen.runtime.streams import side_stream
+
+KEPT_CHUNK = 4096  # the prefill chunk where kept prompts are used and none is asked (``generate``'s default)
 
 
 def cache_argument(model: PreTrainedModel) -> str:
@@ -100,16 +103,18 @@ class StepGraph:
 
 
 def prefill(
-    model: PreTrainedModel, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None
+    model: PreTrainedModel, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None, start: int = 0
 ) -> torch.Tensor:
-    """Feed the prompt ids (B, T), left-padded where ``mask`` (B, T) is 0, in chunks of ``chunk``
-    tokens (None: at once): the next-token logits (B, vocab)."""
+    """Feed the prompt ids (B, T), left-padded where ``mask`` (B, T) is 0, from token ``start`` on (the cache
+    holds the earlier ones), in chunks ending at multiples of ``chunk`` tokens (None: at once): the next-token
+    logits (B, vocab). A prompt that starts from a kept one thus has the chunk boundaries a cold run has, after
+    its first."""
     positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
     chunk, argument = chunk or ids.shape[1], cache_argument(model)
-    for start in range(0, ids.shape[1], chunk):
-        end = min(start + chunk, ids.shape[1])
-        inputs = {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end], "logits_to_keep": 1}
-        logits = model(ids[:, start:end], **{argument: cache}, use_cache=True, **inputs).logits[:, -1]
+    ends = [*range((start // chunk + 1) * chunk, ids.shape[1], chunk), ids.shape[1]]
+    for begin, end in zip([start, *ends[:-1]], ends, strict=True):
+        inputs = {"attention_mask": mask[:, :end], "position_ids": positions[:, begin:end], "logits_to_keep": 1}
+        logits = model(ids[:, begin:end], **{argument: cache}, use_cache=True, **inputs).logits[:, -1]
     return logits
 
 
@@ -141,13 +146,24 @@ def decode(
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
     cache.expect(generation_config.max_length)  # the prompt and every new token (generate has set it)
-    # the whole run planned before the prefill: its chunk the plan's where none or a larger one is asked
+    # the whole run planned before the prefill: its chunk the plan's where none or a larger one is asked (with
+    # kept prompts at most ``KEPT_CHUNK``: a kept prompt serves whole chunks, ``KeptPrompt.usable``)
     asked = getattr(generation_config, "prefill_chunk_size", None)
+    if asked is None and cache.prompts is not None:
+        asked = KEPT_CHUNK
     batch, context = input_ids.shape
-    work = Workload(batch, context, generation_config.max_length - context, asked, not bool(mask.all()))
+    padded, keeps = not bool(mask.all()), cache.prompts is not None
+    work = Workload(batch, context, generation_config.max_length - context, asked, padded, keeps=keeps)
     chunk = plan_run(cache, work).workload.prefill_chunk
     cache.prefill_chunks = (asked, chunk)
-    logits = prefill(model, cache, input_ids, mask, chunk)
+    keeps = cache.prompts is not None and batch == 1 and bool(mask.all()) and not cache.get_seq_length()
+    if keeps:  # the longest kept prompt this one starts with: only the rest is computed
+        kept, served = cache.prompts.match(cache.prompt_key, input_ids[0])
+        if kept is not None:
+            restore(cache, kept, served)
+    logits = prefill(model, cache, input_ids, mask, chunk, start=cache.get_seq_length())
+    if keeps:
+        cache.prompts.add(keep(cache, input_ids[0]))
     step = StepGraph(model, cache)
     position = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)  # (B, 1) of the last prompt token
     pad = generation_config.pad_token_id

@@ -184,6 +184,7 @@ def run_stats(cache: InfinigenCache, timer: TokenTimer, batch: int, prompt_len: 
     return {
         "batch": batch,
         "prompt_tokens": prompt_len,
+        "cached_tokens": summary["cached_tokens"],  # of them, from a kept prompt (not computed)
         "new_tokens": new_tokens,
         "prefill_s": round(prefill_s, 4),
         "decode_s": round(decode_s, 4),

@@ -25,6 +25,7 @@ from infinigen.errors import InfinigenError
 from infinigen.runtime.cache.diagnostics import Diagnostics
 from infinigen.runtime.cache.hooks import attach
 from infinigen.runtime.cache.layers import DenseLayer, Fetched, OffloadedLayer
+from infinigen.runtime.cache.prompts import PromptCache, prompt_key
 from infinigen.runtime.cache.row_reuse import RowReuse
 from infinigen.runtime.cache.sliding import SlidingLayer
 from infinigen.runtime.cache.stats import cache_summary
@@ -56,6 +57,7 @@ class InfinigenCache(RowReuse, Cache):
         config: RuntimeConfig,
         artifact: Artifact | None = None,
         memory_plan: plan.MemoryPlan | None = None,
+        prompts: PromptCache | None = None,
     ) -> None:
         self.spec = model_spec(model.config)
         self.artifact = artifact
@@ -64,6 +66,9 @@ class InfinigenCache(RowReuse, Cache):
         # the plan the cache runs under: the caller's, else its own from its first forward (``planning``)
         self.memory_plan = memory_plan
         self.prefill_chunks: tuple[int | None, int | None] | None = None  # infinigen.decode's: (asked, taken)
+        # kept prompts this cache's run may start from and adds its own to (``infinigen.decode``: ``cache.prompts``)
+        self.prompts = prompts
+        self.reused_tokens = 0  # the prompt tokens a kept prompt gave it (``kept.restore``)
         # the heads this rank computes (all in one process); refuses KV heads the ranks do not divide
         self.shard = head_shard(decoder_layers(model)[0].self_attn, self.spec.head_dim)
         super().__init__(layers=[])
@@ -171,6 +176,11 @@ class InfinigenCache(RowReuse, Cache):
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    @property
+    def prompt_key(self) -> dict:
+        """What a prompt kept from this cache depends on (``prompts.prompt_key``)."""
+        return prompt_key(self)
 
     def expect(self, tokens: int) -> None:
         """The run will cache up to ``tokens`` tokens per row (prompt and new ones; a decode loop that knows

@@ -85,6 +85,8 @@ def _covers(planned: Workload, work: Workload, chunk_at_most: bool) -> bool:
         return False
     if (work.padded and not planned.padded) or (work.layer_graphs and not planned.layer_graphs):
         return False
+    if work.keeps and not planned.keeps:  # pool blocks of the asked size
+        return False
     if chunk_at_most:
         return work.prefill_chunk is None or planned.chunk <= work.prefill_chunk
     return work.prefill_chunk is None or work.prefill_chunk <= planned.chunk

@@ -84,6 +84,9 @@ class Workload:
     # decode steps in transformers' own loop (not ``infinigen.decode``): each offloaded layer's selection is
     # then a CUDA graph of its own, whose memory pool keeps its workspace (``SelectionGraph``)
     layer_graphs: bool = False
+    # its prompt may be kept (``cache.prompts``): pool blocks of the asked size, whatever the run's length, so
+    # that prompts of any length share one row layout
+    keeps: bool = False
 
     @property
     def tokens(self) -> int:
@@ -279,7 +282,8 @@ def plan(
 ) -> MemoryPlan:
     """The plan of a run; under ``budget`` (GPU bytes) the first settings, in the shedding order of the
     module's docstring, whose run fits. Where none fits, the last tried: ``fits`` is False."""
-    config = replace(config, block_tokens=pool_block_tokens(config.block_tokens, work.tokens))
+    if not work.keeps:
+        config = replace(config, block_tokens=pool_block_tokens(config.block_tokens, work.tokens))
     policy = policy_class(config.policy)
     auto_reuse = policy.budgeted and config.reuse_rows == "auto" and config.cpu_pool_gb is None
     reuse_on = policy.budgeted and (config.reuse_rows == "on" or auto_reuse)

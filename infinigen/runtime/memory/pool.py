@@ -71,7 +71,11 @@ class KVPool:
         self.gather_programs = gather_programs
         self.host = host or HostBlocks(device)
         self.blocks: list[torch.Tensor] = []
-        weakref.finalize(self, retire, self.blocks, device)  # reused or freed once no queued work reads them
+        # the blocks this pool made, reused or freed once it is gone and no queued work reads them; the
+        # others belong to kept prompts (``cache.kept``), which the pool holds alive while it reads them
+        self.owned: list[torch.Tensor] = []
+        self.lenders: list[object] = []
+        weakref.finalize(self, retire, self.owned, device)
         self.block_table = torch.empty(0, dtype=torch.int64, device=device)  # data_ptr of each block
         # 8-bit rows: (B, kv_heads, capacity, 2) float32, each slot's K and V scale, on the compute
         # device. Written on the compute stream only (``encode_range``, ``write_slots``), beside the
@@ -104,17 +108,44 @@ class KVPool:
         """Allocate blocks until ``n_tokens`` slots exist (the caller writes every new slot below
         ``n_tokens``; the new slots above it are zeroed: a fetch of a whole page or a fixed number of
         rows may read them, and attention masks them, but a masked row must hold no NaN)."""
-        added, pinned = False, self.device.type == "cuda"
+        added = False
         while self.capacity < n_tokens:
             self.blocks.append(self.host.take(self.block_nbytes).view(self.dtype).view(self.shape))
+            self.owned.append(self.blocks[-1])
             added = True
         if added:
             self.blocks[-1][:, :, n_tokens - self.capacity + self.block_tokens :].zero_()
-            table = torch.tensor([block.data_ptr() for block in self.blocks], dtype=torch.int64, pin_memory=pinned)
-            # from pinned memory without waiting for the device (a pageable copy would wait for the queued work)
-            self.block_table = table.to(self.device, non_blocking=True)
-            if self.scales is not None:
-                self.scales = grown_to(self.scales, self.capacity, 2)
+            self._blocks_changed()
+
+    def _blocks_changed(self) -> None:
+        """The device's block table (and 8-bit scales) for the blocks as they now are."""
+        pinned = self.device.type == "cuda"
+        table = torch.tensor([block.data_ptr() for block in self.blocks], dtype=torch.int64, pin_memory=pinned)
+        # from pinned memory without waiting for the device (a pageable copy would wait for the queued work)
+        self.block_table = table.to(self.device, non_blocking=True)
+        if self.scales is not None:
+            self.scales = grown_to(self.scales, self.capacity, 2)
+
+    def lend(self, blocks: int, lender: object) -> list[torch.Tensor]:
+        """The first ``blocks`` blocks, which from now on belong to ``lender`` (a kept prompt): this pool
+        reads them on, holding the lender alive, and no longer retires them."""
+        lent = self.blocks[:blocks]
+        self.owned[:] = [block for block in self.owned if not any(block is other for other in lent)]
+        self.lenders.append(lender)
+        return lent
+
+    def adopt(self, lent: list[torch.Tensor], lender: object, own: list[torch.Tensor], scales, factors) -> None:
+        """An empty pool starts from a kept prompt's blocks: ``lent`` (read, never written: ``lender``'s)
+        then ``own`` (copies this pool may write), its 8-bit ``scales`` (B, kv_heads, slots, 2) and
+        channel ``factors``."""
+        self.blocks[:] = [*lent, *own]
+        self.owned[:] = own
+        self.lenders.append(lender)
+        if self.kv_bits == 8:
+            self.factors.copy_(factors)
+            self.smoothed = True
+            self.scales = scales
+        self._blocks_changed()
 
     def encode_range(self, start: int, rows: torch.Tensor) -> torch.Tensor:
         """Rows (batch, kv_heads, T, 2, d) for slots start .. start+T-1 as ``write_range`` takes them:

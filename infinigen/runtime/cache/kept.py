@@ -1,0 +1,245 @@
+"""Kept prompts: a prompt's KV and selection state, taken from a cache after its prefill and given to later
+caches whose prompts start with it, which then prefill only the rest.
+
+What a cache holds after a prefill of N tokens is a function of those tokens alone: the offloaded layers'
+pool rows as stored (8-bit codes or 16-bit), their 8-bit scales and channel factors, the dense layers' KV,
+sliding-window rings, the slots' validity and each policy's per-slot state (partial keys, page bounds).
+``keep`` takes all of it: the pools' full blocks by reference (they are never written again: a decode step
+appends, and a limited pool, which overwrites, keeps nothing), the last partial block and the GPU-resident
+parts as host copies. ``restore`` gives a new cache the first ``length`` tokens of it: the full blocks lent,
+a partial one copied (the new cache appends to it), the GPU parts copied back.
+
+A kept prompt serves the longest common prefix in whole prefill chunks (``usable``): the rest is then computed
+in the chunks a cold run has, from the rows a cold run computes, so the tokens are the cold run's. It is cut
+to that prefix, since every slot's state depends only on its token and the earlier ones, except where a
+policy accumulates what later queries attend to (h2o's scores) or a sliding window has moved past the cut:
+such a kept prompt serves only prompts that extend it whole (a conversation's next turn).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from infinigen.errors import InfinigenError
+from infinigen.runtime.cache.layers import DenseLayer, OffloadedLayer
+from infinigen.runtime.cache.sliding import SlidingLayer
+from infinigen.runtime.memory.host_memory import HostBlocks, retire
+from infinigen.runtime.memory.pool import KVPool
+
+
+@dataclass
+class LayerState:
+    """One layer's part of a kept prompt. ``tensors``: host copies, each slot's state along dim 2 (or a
+    fixed number of slots per entry, as Quest's pages): ``keys``, ``values``, ``valid``, ``scales``,
+    ``factors``, ``policy.<name>``. ``blocks``: an offloaded layer's pool blocks (B, kv_heads, block, 2, w)."""
+
+    kind: str  # "dense" | "sliding" | "offloaded"
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    blocks: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class KeptPrompt:
+    """A prompt's cache state in host memory. ``key``: what a cache must run with to use it
+    (``prompts.prompt_key``); ``tokens`` (N,) int64; ``cuttable``: whether it also serves a shorter prefix."""
+
+    key: dict
+    device: torch.device  # the compute device it serves (its pinned blocks are retired to it)
+    tokens: torch.Tensor
+    block_tokens: int
+    cuttable: bool
+    layers: list[LayerState]
+    # kept prompts whose blocks this one reads (a conversation's earlier turn): held alive with it
+    lenders: list[KeptPrompt] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        owned = [t for layer in self.layers for t in (*layer.blocks, *layer.tensors.values())]
+        borrowed = {id(b) for lender in self.lenders for layer in lender.layers for b in layer.blocks}
+        # reused or freed as a dropped pool's blocks are, once no pool reads them (each holds its lenders)
+        weakref.finalize(self, retire, [t for t in owned if id(t) not in borrowed and t.numel()], self.device)
+
+    @property
+    def length(self) -> int:
+        return self.tokens.numel()
+
+    def held(self) -> dict[int, int]:
+        """The host bytes this prompt holds alive, by address (blocks shared with other kept prompts once)."""
+        held = {t.data_ptr(): t.nbytes for layer in self.layers for t in (*layer.blocks, *layer.tensors.values())}
+        return held
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.held().values())
+
+    def usable(self, tokens: torch.Tensor) -> int:
+        """How many of ``tokens`` (N,) this prompt serves: their common prefix in whole prefill chunks (the
+        key's ``prefill_chunk``), at most N - 1 (the last prompt token's logits start the decoding). In whole
+        chunks, the rest is prefilled in the chunks a cold run has, from the rows a cold run computes: the
+        same tokens. A prompt that is not ``cuttable`` serves only its whole self."""
+        unit = self.key.get("prefill_chunk")
+        n = min(self.length, tokens.numel() - 1)
+        if not unit or n <= 0:
+            return 0
+        tokens = tokens.cpu()
+        differs = (self.tokens[:n] != tokens[:n]).nonzero()
+        served = (int(differs[0]) if differs.numel() else n) // unit * unit
+        return served if served == self.length or self.cuttable else 0
+
+
+def keep(cache, tokens: torch.Tensor) -> KeptPrompt:
+    """The state ``cache`` holds after its prefill of ``tokens`` (N,), one unpadded row (before any decode
+    step): the full pool blocks from now on the kept prompt's (lent to the cache), the rest host copies."""
+    if any(isinstance(layer, OffloadedLayer) and layer.max_tokens is not None for layer in cache.layers):
+        raise InfinigenError("a prompt cannot be kept with a limited CPU pool (--cpu-pool-gb): its slots are rewritten")
+    n = tokens.numel()
+    if any(layer.get_seq_length() != n for layer in cache.layers):
+        raise InfinigenError(f"keep: the cache holds {cache.get_seq_length()} tokens, not the prompt's {n}")
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize(cache.device)  # the prompt's rows stored, before the host copies its last blocks
+    sources: list[torch.Tensor] = []
+    _layer_states(cache, n, lambda tensor: sources.append(tensor) or tensor)  # what is copied, to plan its blocks
+    copy = _HostCopies(cache.device, sources)
+    states = _layer_states(cache, n, copy)
+    copy.done()
+    lenders = []
+    for layer in cache.offloaded:
+        lenders.extend(lender for lender in layer.pool.lenders if lender not in lenders)
+    cuttable = not any(s.kind == "sliding" for s in states) and not cache.policy_type.observes_attention
+    tokens = tokens.cpu().clone()
+    kept = KeptPrompt(cache.prompt_key, cache.device, tokens, cache.config.block_tokens, cuttable, states, lenders)
+    for layer in cache.layers:
+        if isinstance(layer, OffloadedLayer):
+            layer.pool.lend(n // layer.pool.block_tokens, kept)
+    return kept
+
+
+def _layer_states(cache, n: int, copy) -> list[LayerState]:
+    states = []
+    for layer in cache.layers:
+        if isinstance(layer, OffloadedLayer):
+            states.append(_offloaded_state(layer, n, copy))
+        else:
+            kind = "sliding" if isinstance(layer, SlidingLayer) else "dense"
+            end = layer.capacity if kind == "sliding" else n
+            tensors = {name: copy(getattr(layer, name)[:, :, :end]) for name in ("keys", "values", "valid")}
+            states.append(LayerState(kind, tensors))
+    return states
+
+
+def _offloaded_state(layer: OffloadedLayer, n: int, copy) -> LayerState:
+    pool = layer.pool
+    full = n // pool.block_tokens
+    blocks = pool.blocks[:full]
+    if n % pool.block_tokens:  # the cache goes on appending to its last block: a copy of it
+        blocks.append(copy(pool.blocks[full]))
+    tensors = {"valid": copy(layer.valid)}
+    if pool.kv_bits == 8:
+        tensors |= {"scales": copy(pool.scales), "factors": copy(pool.factors)}
+    for name, value in vars(layer.policy).items():
+        if isinstance(value, torch.Tensor):
+            tensors[f"policy.{name}"] = copy(value)
+        elif value is not None and name != "config":
+            raise InfinigenError(f"policy {layer.policy.name!r} keeps state a prompt cannot keep: {name}")
+    return LayerState("offloaded", tensors, blocks)
+
+
+class _HostCopies:
+    """Host copies of ``sources`` (in that order): on CUDA into pinned blocks of their exact sizes, made on the
+    workers (``host_memory.HostBlocks``) and copied back at the link's speed, queued until ``done``."""
+
+    def __init__(self, device: torch.device, sources: list[torch.Tensor]) -> None:
+        self.device = device
+        self.blocks = HostBlocks(device)
+        self.blocks.plan([tensor.nbytes for tensor in sources if tensor.numel()])
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.numel():
+            return torch.empty(tensor.shape, dtype=tensor.dtype)
+        host = self.blocks.take(tensor.nbytes).view(tensor.dtype).view(tensor.shape)
+        return host.copy_(tensor, non_blocking=True)
+
+    def done(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def restore(cache, kept: KeptPrompt, length: int) -> None:
+    """Give the empty ``cache`` (configured, with ``kept.key``) the first ``length`` tokens of ``kept``."""
+    if cache.prompt_key != kept.key:
+        raise InfinigenError("this kept prompt was made with other settings or another model")
+    if any(layer.is_initialized for layer in cache.layers):
+        raise InfinigenError("a kept prompt goes into an empty cache")
+    if len(cache.layers) != len(kept.layers):
+        raise InfinigenError("this kept prompt has another number of layers")
+    for layer, state in zip(cache.layers, kept.layers, strict=True):
+        if isinstance(layer, OffloadedLayer):
+            _restore_offloaded(cache, layer, state, kept, length)
+        else:
+            _restore_dense(layer, state, length, kept.length)
+    cache.reused_tokens = length
+
+
+def _restore_dense(layer: DenseLayer, state: LayerState, length: int, kept_length: int) -> None:
+    keys = state.tensors["keys"]
+    device = layer.cache.device
+    layer.keys = torch.empty(*keys.shape[:2], 0, keys.shape[3], dtype=keys.dtype, device=device)
+    layer.values = torch.empty_like(layer.keys)
+    layer.valid = torch.zeros(keys.shape[0], 1, 0, dtype=torch.bool, device=device)
+    layer.is_initialized = True
+    layer.reserve(length)
+    if isinstance(layer, SlidingLayer) and length != kept_length:
+        raise InfinigenError("a sliding window's ring is kept whole: this prompt cannot be cut")
+    end = min(layer.capacity, keys.shape[2], length)
+    for name in ("keys", "values", "valid"):
+        getattr(layer, name)[:, :, :end].copy_(state.tensors[name][:, :, :end], non_blocking=True)
+    layer.length = length
+
+
+def _restore_offloaded(cache, layer: OffloadedLayer, state: LayerState, kept: KeptPrompt, length: int) -> None:
+    first = state.blocks[0]
+    batch, kv_heads, block_tokens = first.shape[:3]
+    layer.device, layer.dtype = cache.device, cache.weights_dtype
+    layer.head_dim = cache.spec.head_dim
+    layer.max_tokens = cache.pool_limit(batch, layer.dtype)
+    if layer.max_tokens is not None:
+        raise InfinigenError("a kept prompt cannot serve a limited CPU pool (--cpu-pool-gb)")
+    cache.measure_reuse_room()
+    pool = layer.pool = KVPool(
+        batch,
+        kv_heads,
+        first.shape[-1],
+        layer.dtype,
+        layer.device,
+        block_tokens=block_tokens,
+        kv_bits=8 if first.dtype == torch.int8 else 16,
+        gather_rows=layer.config.gather_rows,
+        gather_programs=layer.config.gather_programs,
+        host=cache.host_blocks,
+    )
+    full, capacity = length // block_tokens, -(-length // block_tokens) * block_tokens
+    kept_capacity = len(state.blocks) * block_tokens
+    own = []
+    if length % block_tokens:  # a copy this cache may append to
+        block = pool.host.take(pool.block_nbytes).view(pool.dtype).view(pool.shape)
+        own.append(block.copy_(state.blocks[full]))  # host to host: at once
+    scales = _cut(state.tensors.get("scales"), kept_capacity, capacity, layer.device)
+    factors = state.tensors.get("factors")
+    pool.adopt(state.blocks[:full], kept, own, scales, None if factors is None else factors.to(layer.device))
+    layer.valid = _cut(state.tensors["valid"], kept_capacity, capacity, layer.device)
+    for name, value in state.tensors.items():
+        if name.startswith("policy."):
+            setattr(layer.policy, name.removeprefix("policy."), _cut(value, kept_capacity, capacity, layer.device))
+    layer.length = layer.used = length
+    layer.is_initialized = True
+
+
+def _cut(tensor: torch.Tensor | None, kept: int, capacity: int, device) -> torch.Tensor | None:
+    """A per-slot tensor kept at ``kept`` slots (dim 2: one entry per slot, or per page as Quest's) for a
+    cache of ``capacity`` slots (fewer where the prompt is cut), on ``device``."""
+    if tensor is None:
+        return None
+    entries = tensor.shape[2]
+    return tensor[:, :, : entries * capacity // kept].to(device, copy=True, non_blocking=True)

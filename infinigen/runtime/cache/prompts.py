@@ -1,0 +1,151 @@
+"""``PromptCache``: kept prompts (``cache.kept``) in host memory across runs, found by a hash chain over
+whole prefill chunks of tokens (what a kept prompt serves), least recently used evicted beyond a byte budget.
+
+    prompts = infinigen.PromptCache(gb=16)
+    for question in questions:  # one long document: its KV is computed once
+        cache = infinigen.cache_for(model, artifact, prompts=prompts)
+        model.generate(document + question, past_key_values=cache, custom_generate=infinigen.decode)
+
+A chain hash names each prefix of whole chunks: chunk j's hash covers the key (model, artifact, settings:
+``prompt_key``) and every token up to the end of block j, so one lookup per block finds the kept prompts
+that share a prompt's first j chunks; the tokens themselves are then compared (``KeptPrompt.usable``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from infinigen.architectures import fingerprint
+from infinigen.errors import InfinigenError
+from infinigen.runtime.cache.kept import KeptPrompt
+from infinigen.runtime.selection.policies import row_bits
+
+# the settings a kept prompt's state depends on (the prefill's numbers and what its layers keep); the others
+# (row reuse, the decode step's selection rules, where weights live) change only the decode steps
+STATE_FIELDS = (
+    "policy",
+    "budget",
+    "allocation",
+    "min_tokens",
+    "dense_layers",
+    "block_tokens",
+    "prefill_block_tokens",
+    "partial_key_bits",
+)
+_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its fingerprint, read once
+
+
+def prompt_key(cache) -> dict:
+    """What a cache's kept prompts depend on: the model (its q/k fingerprint, dtype, layers), the artifact
+    (its tensors' checksum), the settings of ``STATE_FIELDS`` and the row format as they run, and the prefill
+    chunk of its memory plan (a kept prompt serves whole chunks of it: ``KeptPrompt.usable``)."""
+    model = cache.model_ref()
+    if model is None:
+        raise InfinigenError("this cache's model is gone")
+    if model not in _fingerprints:
+        _fingerprints[model] = fingerprint(model)
+    artifact = cache.artifact.manifest.tensors_sha256 if cache.artifact is not None else None
+    settings = {name: getattr(cache.config, name) for name in STATE_FIELDS}
+    return {
+        "model": _fingerprints[model],
+        "dtype": str(cache.weights_dtype).removeprefix("torch."),
+        "layers": len(cache.layers),
+        "artifact": artifact,
+        "kv_bits": row_bits(cache.config),
+        **settings,
+        "prefill_chunk": cache.memory_plan.workload.prefill_chunk if cache.memory_plan is not None else None,
+    }
+
+
+def _unit(key: dict) -> int:
+    """The tokens a kept prompt of ``key`` serves a multiple of (``KeptPrompt.usable``): what the chain hashes."""
+    return key["prefill_chunk"] or key["block_tokens"]
+
+
+def block_hashes(key: dict, tokens: torch.Tensor, block_tokens: int) -> list[bytes]:
+    """The chain hash of each whole block of ``tokens`` (N,): entry j names tokens[: (j + 1) * block_tokens]."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode())
+    ids = tokens.to(torch.int64).cpu().numpy()
+    hashes = []
+    for end in range(block_tokens, ids.size + 1, block_tokens):
+        digest.update(ids[end - block_tokens : end].tobytes())
+        hashes.append(digest.copy().digest())
+    return hashes
+
+
+class PromptCache:
+    """Kept prompts in host memory, at most ``gb`` GB (10^9 bytes; None: no limit) of them, least recently
+    used evicted first. Blocks shared by several kept prompts (a conversation's turns) count once."""
+
+    def __init__(self, gb: float | None = None) -> None:
+        if gb is not None and not gb >= 0:
+            raise InfinigenError(f"prompt_cache_gb must be >= 0, got {gb}")
+        self.budget = None if gb is None else int(gb * 1e9)
+        self.entries: OrderedDict[int, KeptPrompt] = OrderedDict()  # by id, least recently used first
+        self.index: dict[bytes, set[int]] = {}  # block hash -> the kept prompts holding that prefix
+        self.hits = self.misses = self.evicted = 0
+        self.newest: KeptPrompt | None = None  # the latest added (a prompt file's next contents)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the kept prompts hold, each block once."""
+        held: dict[int, int] = {}
+        for kept in self.entries.values():
+            held |= kept.held()
+        return sum(held.values())
+
+    def match(self, key: dict, tokens: torch.Tensor) -> tuple[KeptPrompt | None, int]:
+        """The kept prompt serving most of ``tokens`` (N,) for a cache of ``key``, and how many tokens it
+        serves (0: none); a hit becomes the most recently used."""
+        best, served = None, 0
+        if self.entries:
+            hashes = block_hashes(key, tokens, _unit(key))
+            for j in range(len(hashes) - 1, -1, -1):
+                for kept in (self.entries[i] for i in self.index.get(hashes[j], ())):
+                    n = kept.usable(tokens)
+                    if n > served:
+                        best, served = kept, n
+                if best is not None:
+                    break
+        if best is None:
+            self.misses += 1
+            return None, 0
+        self.hits += 1
+        self.entries.move_to_end(id(best))
+        return best, served
+
+    def add(self, kept: KeptPrompt) -> None:
+        """Keep ``kept`` (the most recently used), then evict the least recently used beyond the budget
+        (``kept`` too, where it alone is over it). A prompt shorter than the unit it serves is not kept."""
+        hashes = block_hashes(kept.key, kept.tokens, _unit(kept.key))
+        if not hashes:
+            return
+        self.newest = kept
+        self.entries[id(kept)] = kept
+        for digest in hashes:
+            self.index.setdefault(digest, set()).add(id(kept))
+        while self.budget is not None and self.entries and self.nbytes > self.budget:
+            self.drop(next(iter(self.entries.values())))
+            self.evicted += 1
+
+    def drop(self, kept: KeptPrompt) -> None:
+        """Forget ``kept``: its memory goes once no cache reads it (nor a kept prompt that borrows its blocks)."""
+        self.entries.pop(id(kept), None)
+        for digest in block_hashes(kept.key, kept.tokens, _unit(kept.key)):
+            holders = self.index.get(digest)
+            if holders is not None:
+                holders.discard(id(kept))
+                if not holders:
+                    del self.index[digest]
+
+    def clear(self) -> None:
+        for kept in list(self.entries.values()):
+            self.drop(kept)

@@ -1,0 +1,203 @@
+"""Kept prompts: a prompt that starts with a kept one computes only the rest and ends in the state a cold run
+reaches (every tensor bit for bit, every policy), in memory and through a prompt file; the cache's budget and
+eviction order; every damaged or foreign prompt file refused in one line; a save that dies leaves the old file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import invoke
+from helpers import tiny_setup
+
+import infinigen
+from infinigen.errors import InfinigenError
+from infinigen.runtime.cache.prompt_file import PromptFileError, check_prompt, load_prompt, save_prompt
+from infinigen.runtime.cache.prompts import PromptCache
+
+CHUNK = 32  # the prefill chunk: a kept prompt serves whole chunks of it
+SETTINGS = dict(block_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer):
+    return tiny_setup(tokenizer, "llama", "cpu")
+
+
+def ids(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(3, 200, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def answer(model, artifact, prompt, prompts=None, **settings) -> tuple[list[int], int]:
+    with infinigen.cache_for(model, artifact, prompts=prompts, **SETTINGS, **settings) as cache:
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                             custom_generate=infinigen.decode, max_new_tokens=6, do_sample=False,
+                             prefill_chunk_size=CHUNK, pad_token_id=1)  # fmt: skip
+        return out[0, prompt.shape[1] :].tolist(), cache.summary()["cached_tokens"]
+
+
+def state(kept) -> dict[str, torch.Tensor]:
+    """Every tensor of a kept prompt, the pool's blocks as one (B, H, slots, 2, w) per layer."""
+    tensors = {}
+    for i, layer in enumerate(kept.layers):
+        if layer.blocks:
+            tensors[f"{i}.rows"] = torch.cat(layer.blocks, dim=2)[:, :, : kept.length]
+        tensors |= {f"{i}.{name}": tensor.clone() for name, tensor in layer.tensors.items()}
+    return tensors
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        bits = (t.contiguous().view(-1).view(torch.uint8) for t in (a[name], b[name]))  # codes: NaN patterns too
+        assert torch.equal(*bits), name
+
+
+@pytest.mark.parametrize("policy", ["dense", "full", "infinigen", "quest", "oracle", "int4"])
+def test_a_kept_prefix_gives_the_cold_state_and_tokens(setup, policy):
+    model, artifact = setup
+    prefix = ids(0, 2 * CHUNK)
+    first, second = (torch.cat([prefix, ids(seed, 20)], dim=1) for seed in (1, 2))
+    prompts = PromptCache()
+    answer(model, artifact, first, prompts, policy=policy)
+    kept_first = state(prompts.newest)
+    tokens, cached = answer(model, artifact, second, prompts, policy=policy)
+    assert cached == 2 * CHUNK  # the common prefix in whole chunks
+    warm = state(prompts.newest)
+    cold_prompts = PromptCache()
+    cold_tokens, cold_cached = answer(model, artifact, second, cold_prompts, policy=policy)
+    assert cold_cached == 0 and tokens == cold_tokens
+    assert_same(warm, state(cold_prompts.newest))  # every row, scale, partial key, page bound
+    assert_same(kept_first, state(next(iter(prompts.entries.values()))))  # the shared prefix left unchanged
+
+
+def test_a_conversation_prefills_each_new_turn_only(setup):
+    model, artifact = setup
+    turns = [ids(0, 2 * CHUNK), ids(1, CHUNK), ids(2, CHUNK + 5), ids(3, CHUNK)]
+    prompts, previous = PromptCache(), 0
+    for i in range(1, len(turns)):
+        prompt = torch.cat(turns[: i + 1], dim=1)
+        tokens, cached = answer(model, artifact, prompt, prompts, policy="infinigen")
+        assert cached == min(previous, prompt.shape[1] - 1) // CHUNK * CHUNK  # the earlier turns, in whole chunks
+        cold = PromptCache()
+        assert (tokens, 0) == answer(model, artifact, prompt, cold, policy="infinigen")
+        assert_same(state(prompts.newest), state(cold.newest))
+        previous = prompt.shape[1]
+
+
+def test_h2o_serves_only_prompts_that_extend_it_whole(setup):
+    model, artifact = setup
+    prefix = ids(0, 2 * CHUNK)
+    prompts = PromptCache()
+    answer(model, artifact, torch.cat([prefix, ids(1, CHUNK)], dim=1), prompts, policy="h2o")
+    assert answer(model, artifact, torch.cat([prefix, ids(2, 20)], dim=1), prompts, policy="h2o")[1] == 0
+    whole = torch.cat([prefix, ids(1, CHUNK), ids(3, 4)], dim=1)
+    assert answer(model, artifact, whole, prompts, policy="h2o")[1] == 3 * CHUNK
+
+
+def test_other_settings_find_nothing(setup):
+    model, artifact = setup
+    prompt = torch.cat([ids(0, 2 * CHUNK), ids(1, 8)], dim=1)
+    prompts = PromptCache()
+    answer(model, artifact, prompt, prompts, policy="full")
+    assert answer(model, artifact, prompt, prompts, policy="full", kv_bits=16)[1] == 0
+    assert answer(model, artifact, prompt, prompts, policy="infinigen")[1] == 0
+    assert answer(model, artifact, prompt, prompts, policy="full")[1] == 2 * CHUNK
+
+
+def test_the_budget_evicts_the_least_recently_used(setup):
+    model, artifact = setup
+    documents = [ids(seed, 2 * CHUNK) for seed in range(3)]
+    unbounded = PromptCache()
+    answer(model, artifact, torch.cat([documents[0], ids(9, 4)], dim=1), unbounded, policy="full")
+    one = unbounded.nbytes
+    prompts = PromptCache(gb=2.5 * one / 1e9)  # room for two
+    for document in documents[:2]:
+        answer(model, artifact, torch.cat([document, ids(9, 4)], dim=1), prompts, policy="full")
+    assert answer(model, artifact, torch.cat([documents[0], ids(8, 4)], dim=1), prompts, policy="full")[1] > 0
+    answer(model, artifact, torch.cat([documents[2], ids(9, 4)], dim=1), prompts, policy="full")  # evicts 1
+    assert len(prompts) <= 3 and prompts.nbytes <= prompts.budget and prompts.evicted >= 1
+    assert answer(model, artifact, torch.cat([documents[1], ids(8, 4)], dim=1), prompts, policy="full")[1] == 0
+    assert answer(model, artifact, torch.cat([documents[2], ids(8, 4)], dim=1), prompts, policy="full")[1] > 0
+    with pytest.raises(InfinigenError, match="prompt_cache_gb"):
+        PromptCache(gb=-1)
+
+
+def test_a_prompt_file_round_trip_and_every_damage(setup, tmp_path):
+    model, artifact = setup
+    prefix = ids(0, 2 * CHUNK)
+    prompts = PromptCache()
+    answer(model, artifact, torch.cat([prefix, ids(1, 20)], dim=1), prompts, policy="infinigen")
+    path = tmp_path / "doc.prompt"
+    size = save_prompt(prompts.newest, path)
+    assert size == path.stat().st_size and size <= prompts.newest.nbytes + 8192  # the tensors and a header
+    loaded = load_prompt(path, "cpu")
+    assert_same(state(loaded), state(prompts.newest))
+    second = torch.cat([prefix, ids(2, 9)], dim=1)
+    from_file = PromptCache()
+    from_file.add(loaded)
+    cold = answer(model, artifact, second, None, policy="infinigen")[0]
+    assert answer(model, artifact, second, from_file, policy="infinigen") == (cold, 2 * CHUNK)
+    import safetensors.torch  # the file is plain safetensors
+
+    assert torch.equal(safetensors.torch.load_file(path)["tokens"], loaded.tokens)
+    data = path.read_bytes()
+    for cut in (4, 100, len(data) // 2, len(data) - 1):
+        (tmp_path / "cut.prompt").write_bytes(data[:cut])
+        with pytest.raises(PromptFileError, match="cut|no prompt file|damaged"):
+            load_prompt(tmp_path / "cut.prompt", "cpu")
+    for at in (len(data) // 3, len(data) - 10):
+        flipped = bytearray(data)
+        flipped[at] ^= 0xFF
+        (tmp_path / "flipped.prompt").write_bytes(bytes(flipped))
+        with pytest.raises(PromptFileError, match="damaged"):
+            load_prompt(tmp_path / "flipped.prompt", "cpu")
+    key = dict(loaded.key)
+    for name, value in (("model", "0" * 16), ("artifact", "f" * 64), ("kv_bits", 16), ("prefill_chunk", 64)):
+        with pytest.raises(PromptFileError, match=name):
+            check_prompt(loaded, key | {name: value}, second[0], path)
+    with pytest.raises(PromptFileError, match="does not start with"):
+        check_prompt(loaded, key, ids(5, 80)[0], path)
+
+
+def test_a_save_that_dies_leaves_the_previous_file(setup, tmp_path, monkeypatch):
+    model, artifact = setup
+    prompts = PromptCache()
+    answer(model, artifact, torch.cat([ids(0, 2 * CHUNK), ids(1, 4)], dim=1), prompts, policy="full")
+    path = tmp_path / "doc.prompt"
+    save_prompt(prompts.newest, path)
+    before = path.read_bytes()
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        save_prompt(prompts.newest, path)
+    assert path.read_bytes() == before
+
+
+def test_generate_prompt_cache_across_processes(prepared, tmp_path):
+    folder, artifact = prepared("llama")
+    document = " ".join(["the old house on the corner"] * 30)
+    path, first, second = tmp_path / "doc.prompt", tmp_path / "q1.txt", tmp_path / "q2.txt"
+    first.write_text(document + " who")
+    second.write_text(document + " where is it")
+    base = ["generate", str(folder), "--artifact", str(artifact), "--device", "cpu", "--max-new-tokens", "4"]
+    base += ["--prefill-chunk", "64", "--json"]
+    import json
+
+    def run(prompt_file, *more):
+        result = invoke(*base, "--prompt-file", str(prompt_file), *more)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output[result.output.index("{") :])
+
+    cold = run(second)
+    made = run(first, "--prompt-cache", str(path))
+    assert made["stats"]["cached_tokens"] == 0 and path.exists()
+    warm = run(second, "--prompt-cache", str(path))
+    assert warm["stats"]["cached_tokens"] > 0 and warm["outputs"] == cold["outputs"]
+    refused = invoke(*base, "--prompt", "a new story", "--prompt-cache", str(path))
+    assert refused.exit_code == 2 and "does not start with" in refused.output and "Traceback" not in refused.output
+    other = invoke(*base, "--prompt-file", str(second), "--prompt-cache", str(path), "--kv-bits", "16")
+    assert other.exit_code == 2 and "kv_bits" in other.output
+    path.write_bytes(path.read_bytes()[:1000])
+    cut = invoke(*base, "--prompt-file", str(second), "--prompt-cache", str(path))
+    assert cut.exit_code == 2 and "cut" in cut.output
