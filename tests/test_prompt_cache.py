@@ -4,6 +4,7 @@ eviction order; every damaged or foreign prompt file refused in one line; a save
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -30,7 +31,7 @@ def ids(seed: int, n: int) -> torch.Tensor:
 
 
 def answer(model, artifact, prompt, prompts=None, **settings) -> tuple[list[int], int]:
-    with infinigen.cache_for(model, artifact, prompts=prompts, **SETTINGS, **settings) as cache:
+    with infinigen.cache_for(model, artifact, prompts=prompts, **(SETTINGS | settings)) as cache:
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
                              custom_generate=infinigen.decode, max_new_tokens=6, do_sample=False,
                              prefill_chunk_size=CHUNK, pad_token_id=1)  # fmt: skip
@@ -84,6 +85,19 @@ def test_a_conversation_prefills_each_new_turn_only(setup):
         assert (tokens, 0) == answer(model, artifact, prompt, cold, policy="infinigen")
         assert_same(state(prompts.newest), state(cold.newest))
         previous = prompt.shape[1]
+
+
+def test_a_cut_falls_on_whole_pool_blocks_too(setup):
+    model, artifact = setup  # a cut block would keep the longer prompt's rows and state past the cut
+    prefix = ids(0, 3 * CHUNK)
+    prompts, blocks = PromptCache(), dict(block_tokens=2 * CHUNK)
+    answer(model, artifact, torch.cat([prefix, ids(1, 20)], dim=1), prompts, **blocks)
+    second = torch.cat([prefix, ids(2, 20)], dim=1)
+    tokens, cached = answer(model, artifact, second, prompts, **blocks)
+    assert cached == 2 * CHUNK  # 3 chunks in common, 1 whole block of 2 chunks
+    cold = PromptCache()
+    assert tokens == answer(model, artifact, second, cold, **blocks)[0]
+    assert_same(state(prompts.newest), state(cold.newest))
 
 
 def test_h2o_serves_only_prompts_that_extend_it_whole(setup):
@@ -174,30 +188,36 @@ def test_a_save_that_dies_leaves_the_previous_file(setup, tmp_path, monkeypatch)
     assert path.read_bytes() == before
 
 
-def test_generate_prompt_cache_across_processes(prepared, tmp_path):
+def test_generate_prompt_cache_across_runs(prepared, tokenizer, tmp_path):
     folder, artifact = prepared("llama")
-    document = " ".join(["the old house on the corner"] * 30)
+    words = ["the", "old", "house", "on", "the", "corner", "of", "the", "street"]
+    document = ""
+    while len(tokenizer(document)["input_ids"]) < 128:  # two whole chunks: a run that extends it is served whole
+        document = (document + " " + words[len(document.split()) % len(words)]).strip()
+    assert len(tokenizer(document)["input_ids"]) == 128
     path, first, second = tmp_path / "doc.prompt", tmp_path / "q1.txt", tmp_path / "q2.txt"
-    first.write_text(document + " who")
+    first.write_text(document)
     second.write_text(document + " where is it")
     base = ["generate", str(folder), "--artifact", str(artifact), "--device", "cpu", "--max-new-tokens", "4"]
     base += ["--prefill-chunk", "64", "--json"]
-    import json
 
     def run(prompt_file, *more):
         result = invoke(*base, "--prompt-file", str(prompt_file), *more)
         assert result.exit_code == 0, result.output
         return json.loads(result.output[result.output.index("{") :])
 
-    cold = run(second)
+    cold = run(second, "--prompt-cache", str(tmp_path / "other.prompt"))  # the same settings, nothing kept
     made = run(first, "--prompt-cache", str(path))
     assert made["stats"]["cached_tokens"] == 0 and path.exists()
     warm = run(second, "--prompt-cache", str(path))
-    assert warm["stats"]["cached_tokens"] > 0 and warm["outputs"] == cold["outputs"]
+    assert warm["stats"]["cached_tokens"] == 128 and warm["outputs"] == cold["outputs"]
+    shown = invoke("inspect", str(path), "--json")
+    assert shown.exit_code == 0 and json.loads(shown.output)["tokens"] == 128  # kept: the new one would serve no more
     refused = invoke(*base, "--prompt", "a new story", "--prompt-cache", str(path))
     assert refused.exit_code == 2 and "does not start with" in refused.output and "Traceback" not in refused.output
     other = invoke(*base, "--prompt-file", str(second), "--prompt-cache", str(path), "--kv-bits", "16")
     assert other.exit_code == 2 and "kv_bits" in other.output
     path.write_bytes(path.read_bytes()[:1000])
-    cut = invoke(*base, "--prompt-file", str(second), "--prompt-cache", str(path))
-    assert cut.exit_code == 2 and "cut" in cut.output
+    for command in (base + ["--prompt-file", str(second)], ["inspect"]):
+        cut = invoke(*command, *(["--prompt-cache"] if command != ["inspect"] else []), str(path))
+        assert cut.exit_code == 2 and "cut" in cut.output and "Traceback" not in cut.output

@@ -291,3 +291,25 @@ def test_sigterm_drains_the_running_request_refuses_new_ones_and_exits(prepared)
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_kept_prompt_serves_the_next_question_with_the_cold_tokens(tiny_engine):
+    model, tokenizer, artifact = tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact
+    kept = Engine(model, tokenizer, artifact, {"prompt_cache_gb": 1, "block_tokens": 16}, "tiny", prefill_chunk=16)
+    document = " ".join(PROMPTS * 2)
+    questions = [document + " where is it", document + " who is she"]
+    length = len(tokenizer(document)["input_ids"])
+    with serving(kept) as url:
+        for i, prompt in enumerate(questions):
+            answer = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+            cold = Engine(
+                model, tokenizer, artifact, {"prompt_cache_gb": 1, "block_tokens": 16}, "tiny", prefill_chunk=16
+            )  # nothing kept
+            with serving(cold) as cold_url:
+                alone = client(cold_url).completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+            assert answer.choices[0].text == alone.choices[0].text
+            assert alone.usage.prompt_tokens_details.cached_tokens == 0
+            assert answer.usage.prompt_tokens_details.cached_tokens == (0 if i == 0 else length // 16 * 16)
+        metrics = httpx.get(url + "/metrics").text
+    assert f"infinigen_prompt_tokens_cached_total {length // 16 * 16}" in metrics
+    assert "infinigen_kept_prompts 2" in metrics

@@ -103,21 +103,45 @@ def prepare(
 
 @command
 def inspect(
-    artifact: Annotated[str, typer.Argument(help="Artifact folder or Hub id.")],
+    artifact: Annotated[str, typer.Argument(help="Artifact folder or Hub id, or a prompt file (--prompt-cache).")],
     as_json: JsonOpt = False,
 ) -> None:
-    """Check an artifact and show its summary and per-layer energy table.
+    """Check an artifact and show its summary and per-layer energy table; or check a prompt file (every
+    checksum) and show what it holds.
 
     Example:\n
-      infinigen inspect skewed/ --json
+      infinigen inspect skewed/ --json\n
+      infinigen inspect doc.prompt
     """
     from infinigen.artifacts import artifact_folder, load_artifact
 
+    if Path(artifact).is_file():
+        _inspect_prompt_file(Path(artifact), as_json)
+        return
     checked = load_artifact(artifact_folder(artifact))
     if printed_json(checked.manifest.as_json(), as_json):
         return
     print_pairs(f"artifact {artifact}", _summary(checked.manifest))
     _print_energy(checked)
+
+
+def _inspect_prompt_file(path: Path, as_json: bool) -> None:
+    from infinigen.runtime.cache.prompt_file import load_prompt, read_manifest
+
+    manifest, _, _ = read_manifest(path)
+    kept = load_prompt(path, "cpu")  # every checksum
+    kinds = [layer["kind"] for layer in manifest["layers"]]
+    shown = {
+        "tokens": kept.length,
+        "bytes": path.stat().st_size,
+        "serves": "any common prefix in whole chunks" if kept.cuttable else "prompts that extend it whole",
+        "layer kinds": ", ".join(f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds)),
+        **kept.key,
+        "format_version": manifest["version"],
+    }
+    if printed_json(shown, as_json):
+        return
+    print_pairs(f"prompt file {path}", shown)
 
 
 @command

@@ -187,6 +187,9 @@ def _save_prompt_file(path: Path, cache, stats: dict) -> None:
     unit = kept.key["prefill_chunk"] if kept is not None else None
     if unit and cache.reused_tokens < kept.length // unit * unit:
         stats["prompt_file_bytes"] = save_prompt(kept, path)
+    elif kept is None or not unit:  # a prompt file serves whole prefill chunks
+        chunk = cache.prefill_chunks[1] if cache.prefill_chunks else None
+        err_console.print(f"{path} not written: the prompt is shorter than one prefill chunk ({chunk} tokens)")
 
 
 def _templated(prompts: list[str], tokenizer, chat: bool) -> list[str]:

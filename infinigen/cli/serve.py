@@ -23,6 +23,9 @@ def serve(
     served_name: Annotated[
         str | None, typer.Option(help="The model's name in the API (default: MODEL as given, or smollm2-135m).")
     ] = None,
+    prefill_chunk: Annotated[
+        int, typer.Option(help="Prefill in chunks of this many tokens where prompts are kept (they serve whole ones).")
+    ] = 4096,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
 ) -> None:
@@ -39,6 +42,8 @@ def serve(
         raise InfinigenError(f"infinigen serve needs the serve extra: pip install 'infinigen[serve]' ({exc})") from None
     if not 0 < port < 65536:
         raise InfinigenError(f"--port must be in 1..65535, got {port}")
+    if prefill_chunk < 1:
+        raise InfinigenError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
     from infinigen.artifacts import open_artifact, read_artifact
     from infinigen.models import load_model
     from infinigen.runtime import RuntimeConfig
@@ -47,6 +52,7 @@ def serve(
     read = read_artifact(artifact)  # a missing or corrupted artifact too
     loaded = load_model(model, device=device, dtype=dtype)
     checked = open_artifact(read, loaded.model) if read is not None else None
-    engine = Engine(loaded.model, loaded.tokenizer, checked, runtime, served_name or model or "smollm2-135m")
+    name = served_name or model or "smollm2-135m"
+    engine = Engine(loaded.model, loaded.tokenizer, checked, runtime, name, prefill_chunk)
     err_console.print(f"serving {engine.name} on http://{host}:{port}/v1 ({engine.device}); SIGTERM drains it")
     run(engine, host, port)

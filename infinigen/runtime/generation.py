@@ -147,10 +147,10 @@ def decode(
     mask = torch.ones_like(input_ids) if mask is None else mask
     cache.expect(generation_config.max_length)  # the prompt and every new token (generate has set it)
     # the whole run planned before the prefill: its chunk the plan's where none or a larger one is asked (with
-    # kept prompts at most ``KEPT_CHUNK``: a kept prompt serves whole chunks, ``KeptPrompt.usable``)
+    # kept prompts, which serve whole chunks, ``KeptPrompt.usable``, the one its plan has, else ``KEPT_CHUNK``)
     asked = getattr(generation_config, "prefill_chunk_size", None)
-    if asked is None and cache.prompts is not None:
-        asked = KEPT_CHUNK
+    if asked is None and cache.prompts is not None:  # the chunk its plan has, as the prompt key says
+        asked = (cache.memory_plan.workload.prefill_chunk if cache.memory_plan is not None else None) or KEPT_CHUNK
     batch, context = input_ids.shape
     padded, keeps = not bool(mask.all()), cache.prompts is not None
     work = Workload(batch, context, generation_config.max_length - context, asked, padded, keeps=keeps)

@@ -130,7 +130,7 @@ async def serve(engine: Engine, request: Request, chat: bool):
         return failed(exc)
     finally:
         watch.cancel()
-    return response(ask, answer.text, answer.finish_reason, usage(answer.prompt_tokens, answer.completion_tokens))
+    return response(ask, answer.text, answer.finish_reason, _usage(answer))
 
 
 async def _watch(request: Request, gone: threading.Event) -> None:
@@ -167,7 +167,7 @@ async def streamed(engine: Engine, ask: Ask, admitted: tuple) -> AsyncIterator[s
             return
         yield _event(chunk(ask, None, answer.finish_reason))
         if ask.include_usage:
-            yield _event(chunk(ask, None, used=usage(answer.prompt_tokens, answer.completion_tokens)))
+            yield _event(chunk(ask, None, used=_usage(answer)))
         yield "data: [DONE]\n\n"
     finally:
         gone.set()  # a client that left: the decoding stops at its next step (its cache closed, memory freed)
@@ -175,3 +175,7 @@ async def streamed(engine: Engine, ask: Ask, admitted: tuple) -> AsyncIterator[s
 
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
+
+
+def _usage(answer: Answer) -> dict:
+    return usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)

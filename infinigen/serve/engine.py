@@ -6,6 +6,11 @@ decodes through a fresh cache under that plan (``cache_for(..., plan=)``) with `
 tokens handed to the caller as they come. Requests wait their turn on a lock: a request's tokens are those
 it would get alone. Its stop strings, and the caller's ``stopped()`` (a client gone), end it at the next
 step; its cache, closed, frees its memory whatever happened.
+
+Prompts are kept across requests in host memory (``PromptCache``, ``--prompt-cache-gb``): a request whose prompt
+starts with a kept one (a document asked about again, a conversation's earlier turns) computes only the rest,
+in the chunks a cold run has (the same tokens); its usage says how many came from the cache. Where the host
+cannot hold a request's pool beside them, the least recently used go first.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCrite
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_argument, cache_for, decode
+from infinigen.runtime.cache.prompts import PromptCache
 from infinigen.runtime.config import config_from
+from infinigen.runtime.generation import KEPT_CHUNK
 from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.text import left_padded, pad_token_id
 from infinigen.serve.metrics import Metrics
@@ -34,6 +41,7 @@ class Answer:
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, from a kept prompt
 
 
 class Until(StoppingCriteria):
@@ -100,8 +108,11 @@ class Engine:
         artifact: Artifact | None,
         settings: dict,
         name: str,
+        prefill_chunk: int = KEPT_CHUNK,
     ) -> None:
+        """``prefill_chunk``: the prefill's chunk where prompts are kept (they serve whole chunks of it)."""
         self.model, self.tokenizer, self.artifact, self.name = model, tokenizer, artifact, name
+        self.prefill_chunk = prefill_chunk
         self.config = config_from(settings)  # refused here if bad
         self.device = next(model.parameters()).device
         self.lock = threading.Lock()
@@ -110,6 +121,7 @@ class Engine:
         # the GPU budget every request is planned in, measured once with the weights loaded and nothing running:
         # requests run one at a time, each with the whole of it (measured while another runs, it would be less)
         self.budget = memory.budget_bytes(self.config.gpu_memory_gb, self.device)
+        self.prompts = _prompt_cache(self.config.prompt_cache_gb)
         self.context = model.config.max_position_embeddings
         self.pad = pad_token_id(tokenizer)
         configured = getattr(model.generation_config, "eos_token_id", None)
@@ -140,8 +152,14 @@ class Engine:
                 f"{self.context} tokens",
                 "max_tokens",
             )
-        # the prompt in one forward where it fits (the fastest), else in the plan's chunks
-        found = memory.plan_for(self.model, self.config, memory.Workload(1, len(ids), new_tokens), self.budget)
+        # with kept prompts in chunks of ``prefill_chunk`` (a kept prompt serves whole chunks), else the prompt in
+        # one forward where it fits (the fastest); the plan's chunks where they must be smaller
+        chunk = self.prefill_chunk if self.prompts is not None else None
+        work = memory.Workload(1, len(ids), new_tokens, chunk, keeps=self.prompts is not None)
+        found = memory.plan_for(self.model, self.config, work, self.budget)
+        while self.prompts is not None and len(self.prompts) and not memory.fits_host(found):
+            self.prompts.drop(next(iter(self.prompts.entries.values())))  # the host's memory for this pool first
+            self.prompts.evicted += 1
         if why := memory.why_not(found):
             raise RequestError(why, "messages" if ask.chat else "prompt")
         return ids, new_tokens, found
@@ -180,7 +198,7 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(self.device)
         until = Until(lambda: tokens.finish_reason is not None or stopped())
         try:
-            with cache_for(self.model, self.artifact, plan=found) as cache, torch.no_grad():
+            with cache_for(self.model, self.artifact, plan=found, prompts=self.prompts) as cache, torch.no_grad():
                 self.model.generate(
                     **inputs,
                     max_new_tokens=new_tokens,
@@ -192,10 +210,19 @@ class Engine:
                     **kwargs,
                     **{cache_argument(self.model): cache},
                 )
+                cached = cache.reused_tokens
         except InfinigenError as exc:
             raise RequestError(str(exc), status=400) from None
         tokens.end()
         finish = tokens.finish_reason or "length"
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        self.metrics.finished(started, times, len(ids), len(tokens.ids), found, peak)
-        return Answer(tokens.text, finish, len(ids), len(tokens.ids))
+        self.metrics.finished(started, times, len(ids), len(tokens.ids), found, peak, cached, self.prompts)
+        return Answer(tokens.text, finish, len(ids), len(tokens.ids), cached)
+
+
+def _prompt_cache(gb: float | None) -> PromptCache | None:
+    """The server's kept prompts: ``gb`` GB of host memory, by default half of what the host has free now, none at 0."""
+    if gb is None:
+        available = memory.host_available_bytes()
+        return PromptCache(None if available is None else available / 2 / 1e9)
+    return PromptCache(gb) if gb > 0 else None

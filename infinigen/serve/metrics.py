@@ -39,7 +39,8 @@ class Metrics:
         self.lock = threading.Lock()
         self.queued = self.active = 0
         self.outcomes: dict[str, int] = {}  # by HTTP status class: "2xx", "4xx", "5xx"
-        self.prompt_tokens = self.generated_tokens = 0
+        self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
+        self.kept = (0, 0, 0)  # kept prompts: how many, their host bytes, how many evicted
         self.decode_seconds = 0.0
         self.first_token = Histogram(FIRST_TOKEN_BUCKETS)
         self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
@@ -61,10 +62,14 @@ class Metrics:
             key = f"{status // 100}xx"
             self.outcomes[key] = self.outcomes.get(key, 0) + 1
 
-    def finished(self, started: float, times: list[float], prompt: int, generated: int, found, peak) -> None:
-        """A decoded request: ``times`` when each piece of its text came (the first: its first token)."""
+    def finished(self, started: float, times, prompt: int, generated: int, found, peak, cached=0, prompts=None) -> None:
+        """A decoded request: ``times`` when each piece of its text came (the first: its first token); ``cached``: its
+        prompt tokens from a kept prompt; ``prompts``: the kept prompts after it."""
         with self.lock:
             self.prompt_tokens += prompt
+            self.cached_tokens += cached
+            if prompts is not None:
+                self.kept = (len(prompts), prompts.nbytes, prompts.evicted)
             self.generated_tokens += generated
             if times:
                 self.first_token.observe(times[0] - started)
@@ -84,6 +89,14 @@ class Metrics:
                 *(f'infinigen_requests_total{{status="{k}"}} {v}' for k, v in sorted(self.outcomes.items())),
                 "# TYPE infinigen_prompt_tokens_total counter",
                 f"infinigen_prompt_tokens_total {self.prompt_tokens}",
+                "# TYPE infinigen_prompt_tokens_cached_total counter",
+                f"infinigen_prompt_tokens_cached_total {self.cached_tokens}",
+                "# TYPE infinigen_kept_prompts gauge",
+                f"infinigen_kept_prompts {self.kept[0]}",
+                "# TYPE infinigen_kept_prompt_bytes gauge",
+                f"infinigen_kept_prompt_bytes {self.kept[1]}",
+                "# TYPE infinigen_kept_prompts_evicted_total counter",
+                f"infinigen_kept_prompts_evicted_total {self.kept[2]}",
                 "# TYPE infinigen_generated_tokens_total counter",
                 f"infinigen_generated_tokens_total {self.generated_tokens}",
                 "# TYPE infinigen_decode_seconds_total counter",

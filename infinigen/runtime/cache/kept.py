@@ -18,6 +18,7 @@ such a kept prompt serves only prompts that extend it whole (a conversation's ne
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -78,15 +79,19 @@ class KeptPrompt:
         """How many of ``tokens`` (N,) this prompt serves: their common prefix in whole prefill chunks (the
         key's ``prefill_chunk``), at most N - 1 (the last prompt token's logits start the decoding). In whole
         chunks, the rest is prefilled in the chunks a cold run has, from the rows a cold run computes: the
-        same tokens. A prompt that is not ``cuttable`` serves only its whole self."""
+        same tokens. Shorter than itself only where it is ``cuttable``, and in whole pool blocks too (a cut
+        block would keep later tokens' state)."""
         unit = self.key.get("prefill_chunk")
         n = min(self.length, tokens.numel() - 1)
         if not unit or n <= 0:
             return 0
         tokens = tokens.cpu()
         differs = (self.tokens[:n] != tokens[:n]).nonzero()
-        served = (int(differs[0]) if differs.numel() else n) // unit * unit
-        return served if served == self.length or self.cuttable else 0
+        common = int(differs[0]) if differs.numel() else n
+        if common == self.length and common % unit == 0:
+            return common
+        cut = math.lcm(unit, self.block_tokens)
+        return common // cut * cut if self.cuttable else 0
 
 
 def keep(cache, tokens: torch.Tensor) -> KeptPrompt:
