@@ -25,6 +25,7 @@ import os
 import time
 
 import torch
+from library_path import Timer  # this folder's: the first and each later token's time
 
 import infinigen
 from infinigen.bench.occupy import Occupier
@@ -33,18 +34,6 @@ from infinigen.runtime import cache_argument
 from infinigen.runtime.cache.prompt_file import load_prompt, save_prompt
 from infinigen.runtime.cache.prompts import PromptCache
 from infinigen.runtime.generation import KEPT_CHUNK
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.start, self.times = time.perf_counter(), []
-
-    def put(self, value) -> None:
-        torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def answer(model, artifact, ids, new_tokens: int, prompts: PromptCache | None) -> dict:

@@ -158,8 +158,7 @@ class Engine:
         work = memory.Workload(1, len(ids), new_tokens, chunk, keeps=self.prompts is not None)
         found = memory.plan_for(self.model, self.config, work, self.budget)
         while self.prompts is not None and len(self.prompts) and not memory.fits_host(found):
-            self.prompts.drop(next(iter(self.prompts.entries.values())))  # the host's memory for this pool first
-            self.prompts.evicted += 1
+            self.prompts.evict()  # the host's memory for this request's pool first
         if why := memory.why_not(found):
             raise RequestError(why, "messages" if ask.chat else "prompt")
         return ids, new_tokens, found

@@ -28,7 +28,6 @@ from infinigen.errors import InfinigenError
 from infinigen.runtime.cache.layers import DenseLayer, OffloadedLayer
 from infinigen.runtime.cache.sliding import SlidingLayer
 from infinigen.runtime.memory.host_memory import HostBlocks, retire
-from infinigen.runtime.memory.pool import KVPool
 
 
 @dataclass
@@ -68,8 +67,7 @@ class KeptPrompt:
 
     def held(self) -> dict[int, int]:
         """The host bytes this prompt holds alive, by address (blocks shared with other kept prompts once)."""
-        held = {t.data_ptr(): t.nbytes for layer in self.layers for t in (*layer.blocks, *layer.tensors.values())}
-        return held
+        return {t.data_ptr(): t.nbytes for layer in self.layers for t in (*layer.blocks, *layer.tensors.values())}
 
     @property
     def nbytes(self) -> int:
@@ -115,9 +113,8 @@ def keep(cache, tokens: torch.Tensor) -> KeptPrompt:
     cuttable = not any(s.kind == "sliding" for s in states) and not cache.policy_type.observes_attention
     tokens = tokens.cpu().clone()
     kept = KeptPrompt(cache.prompt_key, cache.device, tokens, cache.config.block_tokens, cuttable, states, lenders)
-    for layer in cache.layers:
-        if isinstance(layer, OffloadedLayer):
-            layer.pool.lend(n // layer.pool.block_tokens, kept)
+    for layer in cache.offloaded:
+        layer.pool.lend(n // layer.pool.block_tokens, kept)
     return kept
 
 
@@ -177,8 +174,6 @@ def restore(cache, kept: KeptPrompt, length: int) -> None:
         raise InfinigenError("this kept prompt was made with other settings or another model")
     if any(layer.is_initialized for layer in cache.layers):
         raise InfinigenError("a kept prompt goes into an empty cache")
-    if len(cache.layers) != len(kept.layers):
-        raise InfinigenError("this kept prompt has another number of layers")
     for layer, state in zip(cache.layers, kept.layers, strict=True):
         if isinstance(layer, OffloadedLayer):
             _restore_offloaded(cache, layer, state, kept, length)
@@ -187,16 +182,19 @@ def restore(cache, kept: KeptPrompt, length: int) -> None:
     cache.reused_tokens = length
 
 
+def _empty_keys(cache, state: LayerState, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, kv_heads, 0, head_dim) on the cache's device: what a layer's ``lazy_initialization`` sizes itself from."""
+    batch = (state.blocks or [state.tensors.get("keys")])[0].shape[0]
+    return torch.empty(batch, kv_heads, 0, cache.spec.head_dim, dtype=dtype, device=cache.device)
+
+
 def _restore_dense(layer: DenseLayer, state: LayerState, length: int, kept_length: int) -> None:
-    keys = state.tensors["keys"]
-    device = layer.cache.device
-    layer.keys = torch.empty(*keys.shape[:2], 0, keys.shape[3], dtype=keys.dtype, device=device)
-    layer.values = torch.empty_like(layer.keys)
-    layer.valid = torch.zeros(keys.shape[0], 1, 0, dtype=torch.bool, device=device)
-    layer.is_initialized = True
-    layer.reserve(length)
     if isinstance(layer, SlidingLayer) and length != kept_length:
         raise InfinigenError("a sliding window's ring is kept whole: this prompt cannot be cut")
+    keys = state.tensors["keys"]
+    empty = _empty_keys(layer.cache, state, keys.shape[1], keys.dtype)
+    layer.lazy_initialization(empty, empty)
+    layer.reserve(length)
     end = min(layer.capacity, keys.shape[2], length)
     for name in ("keys", "values", "valid"):
         getattr(layer, name)[:, :, :end].copy_(state.tensors[name][:, :, :end], non_blocking=True)
@@ -204,26 +202,11 @@ def _restore_dense(layer: DenseLayer, state: LayerState, length: int, kept_lengt
 
 
 def _restore_offloaded(cache, layer: OffloadedLayer, state: LayerState, kept: KeptPrompt, length: int) -> None:
-    first = state.blocks[0]
-    batch, kv_heads, block_tokens = first.shape[:3]
-    layer.device, layer.dtype = cache.device, cache.weights_dtype
-    layer.head_dim = cache.spec.head_dim
-    layer.max_tokens = cache.pool_limit(batch, layer.dtype)
+    empty = _empty_keys(cache, state, state.blocks[0].shape[1], cache.weights_dtype)
+    layer.lazy_initialization(empty, empty)  # its pool, empty, as the first prefill would make it
     if layer.max_tokens is not None:
         raise InfinigenError("a kept prompt cannot serve a limited CPU pool (--cpu-pool-gb)")
-    cache.measure_reuse_room()
-    pool = layer.pool = KVPool(
-        batch,
-        kv_heads,
-        first.shape[-1],
-        layer.dtype,
-        layer.device,
-        block_tokens=block_tokens,
-        kv_bits=8 if first.dtype == torch.int8 else 16,
-        gather_rows=layer.config.gather_rows,
-        gather_programs=layer.config.gather_programs,
-        host=cache.host_blocks,
-    )
+    pool, block_tokens = layer.pool, layer.pool.block_tokens
     full, capacity = length // block_tokens, -(-length // block_tokens) * block_tokens
     kept_capacity = len(state.blocks) * block_tokens
     own = []
@@ -238,7 +221,6 @@ def _restore_offloaded(cache, layer: OffloadedLayer, state: LayerState, kept: Ke
         if name.startswith("policy."):
             setattr(layer.policy, name.removeprefix("policy."), _cut(value, kept_capacity, capacity, layer.device))
     layer.length = layer.used = length
-    layer.is_initialized = True
 
 
 def _cut(tensor: torch.Tensor | None, kept: int, capacity: int, device) -> torch.Tensor | None:

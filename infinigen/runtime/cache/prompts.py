@@ -133,8 +133,12 @@ class PromptCache:
         for digest in hashes:
             self.index.setdefault(digest, set()).add(id(kept))
         while self.budget is not None and self.entries and self.nbytes > self.budget:
-            self.drop(next(iter(self.entries.values())))
-            self.evicted += 1
+            self.evict()
+
+    def evict(self) -> None:
+        """Drop the least recently used kept prompt."""
+        self.drop(next(iter(self.entries.values())))
+        self.evicted += 1
 
     def drop(self, kept: KeptPrompt) -> None:
         """Forget ``kept``: its memory goes once no cache reads it (nor a kept prompt that borrows its blocks)."""
