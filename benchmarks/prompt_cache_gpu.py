@@ -4,7 +4,7 @@
 infinigen.decode)`` on a fresh ``infinigen.cache_for(model)``:
 
 - ``cold``: no kept prompts (the first ``--cold`` questions), in the prefill chunks a run with kept prompts
-  takes (``generation.KEPT_CHUNK``: the same settings);
+  takes (``config.KEPT_CHUNK``: the same settings);
 - ``keep``: the first question with a ``PromptCache`` (the cold run that keeps its prompt);
 - ``warm``: every question again from the kept prompt (host memory);
 - ``file``: the kept prompt saved (``save_prompt``), evicted from the page cache (``posix_fadvise``), its raw
@@ -33,7 +33,7 @@ from infinigen.bench.shapes import random_artifact, random_model
 from infinigen.runtime import cache_argument
 from infinigen.runtime.cache.prompt_file import load_prompt, save_prompt
 from infinigen.runtime.cache.prompts import PromptCache
-from infinigen.runtime.generation import KEPT_CHUNK
+from infinigen.runtime.config import KEPT_CHUNK
 
 
 def answer(model, artifact, ids, new_tokens: int, prompts: PromptCache | None) -> dict:

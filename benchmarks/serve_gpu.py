@@ -135,9 +135,13 @@ def main() -> None:
         )
     print(f"server / generate tokens/s (medians): {by['server'] / by['generate']:.3f}")
     if args.out:
-        meta = {"shape": args.shape, "gpu_memory_gb": args.gpu_memory_gb, "context": args.context}
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta | {"device": torch.cuda.get_device_name()}, "rows": rows}, f, indent=1)
+        write_rows(args.out, {"shape": args.shape, "gpu_memory_gb": args.gpu_memory_gb, "context": args.context}, rows)
+
+
+def write_rows(path: str, meta: dict, rows: list[dict]) -> None:
+    """The run's rows as JSON, with what it ran on."""
+    with open(path, "w") as f:
+        json.dump({"meta": meta | {"device": torch.cuda.get_device_name()}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

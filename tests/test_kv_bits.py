@@ -55,12 +55,12 @@ def test_smoothed_keys_round_trip_within_their_bound_and_beat_plain_rows_on_outl
     rows = torch.randn(2, 3, 64, 2, 32)
     rows[:, :, :, 0, :2] *= 50  # two outlier key channels, in every token
     factors = int8_rows.channel_factors(rows)
-    assert factors.shape == (3, 2, 32) and bool(factors[:, 1].eq(1).all())
-    assert torch.allclose(factors[:, 0], rows[..., 0, :].abs().amax(dim=(0, 2)).sqrt())
-    codes, scales = int8_rows.encode(rows, factors[:, None])
-    decoded = int8_rows.decode(codes, scales, torch.float32, factors[:, None])
-    smoothed_max = (rows / factors[:, None]).abs().amax(dim=-1, keepdim=True)
-    bound = (smoothed_max / 254 + smoothed_max * 2**-16) * factors[:, None]
+    assert factors.shape == (2, 3, 2, 32) and bool(factors[:, :, 1].eq(1).all())
+    assert torch.allclose(factors[:, :, 0], rows[..., 0, :].abs().amax(dim=2).sqrt())
+    codes, scales = int8_rows.encode(rows, factors[:, :, None])
+    decoded = int8_rows.decode(codes, scales, torch.float32, factors[:, :, None])
+    smoothed_max = (rows / factors[:, :, None]).abs().amax(dim=-1, keepdim=True)
+    bound = (smoothed_max / 254 + smoothed_max * 2**-16) * factors[:, :, None]
     error = (decoded - rows).abs()
     assert bool((error <= bound).all()) and error.amax() > 0
     plain = (int8_rows.decode(*int8_rows.encode(rows), torch.float32) - rows).abs()
@@ -69,6 +69,31 @@ def test_smoothed_keys_round_trip_within_their_bound_and_beat_plain_rows_on_outl
     assert torch.equal(error[..., 1, :], plain[..., 1, :]), "values are rounded as plain rows are"
     zero = torch.zeros(1, 3, 4, 2, 32)
     assert bool(int8_rows.channel_factors(zero).eq(1).all())
+
+
+def test_a_rows_factors_come_from_its_own_first_tokens_not_its_padding_or_batch_mates():
+    """Each batch row's key factors are set from its first tokens written, its padding and the other rows left
+    out, and a row with no token yet (all padding) gets them from its first chunk that has one: a row's codes
+    are those it has alone."""
+    torch.manual_seed(0)
+    rows = rows_with_outliers(2, 2, 12, 2, 8)
+    rows[1, :, :3] *= 1000  # padding with huge keys: its factors must not see them
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, :3] = False
+    pool = KVPool(2, 2, 8, torch.float32, torch.device("cpu"), block_tokens=4, kv_bits=8)
+    pool.write_range(0, pool.encode_range(0, rows[:, :, :8], valid[:, :8]))
+    alone = KVPool(1, 2, 8, torch.float32, torch.device("cpu"), block_tokens=4, kv_bits=8)
+    alone.write_range(0, alone.encode_range(0, rows[1:, :, 3:8]))
+    assert torch.equal(pool.factors[1], alone.factors[0]) and pool.smoothed
+    assert torch.equal(pool.factors[0], int8_rows.channel_factors(rows[:1, :, :8])[0])
+    later = KVPool(2, 2, 8, torch.float32, torch.device("cpu"), block_tokens=4, kv_bits=8)
+    valid[1, :8] = False  # row 1 all padding in the first chunk: its factors wait for its first token
+    later.encode_range(0, rows[:, :, :8], valid[:, :8])
+    assert not later.smoothed and bool(later.factors[1].eq(1).all())
+    later.encode_range(8, rows[:, :, 8:], valid[:, 8:])
+    first = int8_rows.channel_factors(rows[1:, :, 8:])[0]
+    assert later.smoothed and torch.equal(later.factors[1], first)
+    assert torch.equal(later.factors[0], int8_rows.channel_factors(rows[:1, :, :8])[0]), "set once"
 
 
 def test_pool_rows_and_bytes_with_8_bits():
@@ -96,8 +121,8 @@ def test_torch_gather_dequantises_with_count_and_destination(dtype):
     rows = rows_with_outliers(2, 2, 12, 2, 8).to(dtype)
     pool.write_range(0, pool.encode_range(0, rows[:, :, :11]))
     pool.write_slots(torch.full((2, 2), 11), rows[:, :, 11:])  # a decode step's token
-    factors = int8_rows.channel_factors(rows[:, :, :11])[:, None]  # from the first rows written
-    assert pool.smoothed and torch.equal(pool.factors[:, None], factors)
+    factors = int8_rows.channel_factors(rows[:, :, :11])[:, :, None]  # from the first rows written
+    assert pool.smoothed and torch.equal(pool.factors[:, :, None], factors)
     expected = int8_rows.decode(*int8_rows.encode(rows, factors), dtype, factors)
     indices = torch.tensor([[[0, 6, 11], [4, 5, 10]], [[1, 2, 3], [7, 8, 9]]])
     count = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
@@ -136,7 +161,7 @@ rows = rows_with_outliers(B, H, 30, 2, D)
 pool.write_range(0, pool.encode_range(0, rows[:, :, :29]))
 pool.block_table = torch.tensor([b.data_ptr() for b in pool.blocks], dtype=torch.int64)
 slots = torch.tensor([[29, 29, 29], [29, 29, 29]])
-codes, scales = int8_rows.encode(rows[:, :, 29:], pool.factors[:, None])  # the decode write, quantised first
+codes, scales = int8_rows.encode(rows[:, :, 29:], pool.factors[:, :, None])  # the decode write, quantised first
 pool.scales[:, :, 29] = scales[:, :, 0]
 transfer._launch_scatter(pool, slots, codes)
 generator = torch.Generator().manual_seed(1)
@@ -180,7 +205,7 @@ for dtype in (torch.float32, torch.bfloat16):
     rows = torch.full((B, H, 7, 2, D), float("nan"), dtype=dtype)
     planes = (block.transpose(2, 3), block_scales.transpose(2, 3), pool.factors, rows.transpose(2, 3))
     int8_rows._launch_dequantise(*planes)
-    reference = int8_rows.decode(block, block_scales, dtype, pool.factors[:, None])  # the CPU path of read_rows
+    reference = int8_rows.decode(block, block_scales, dtype, pool.factors[:, :, None])  # the CPU path of read_rows
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 0.0
     assert bool(((rows - reference).abs() <= ulp * reference.abs()).all()), ("prefill block", dtype)
 print("ok")

@@ -4,6 +4,7 @@ every answer the tokens the runtime gives the request alone; bad requests are 4x
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import signal
 import socket
@@ -56,6 +57,17 @@ def serving(engine: Engine, **options):
 def tiny_engine(tokenizer):
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     return Engine(model, tokenizer, artifact, {}, "tiny")
+
+
+@pytest.fixture(scope="module")
+def solo_engine(tiny_engine):
+    """The same model, artifact and settings, a request at a time: what a request gets alone in the server."""
+    return Engine(tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact, {}, "tiny", max_batch=1)
+
+
+def solo(engine: Engine, prompt: str, new_tokens: int):
+    """What ``engine`` answers ``prompt`` with nothing else waiting."""
+    return engine.run(*_asked(engine, prompt, new_tokens), lambda text: None)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +190,7 @@ def test_a_request_the_plan_can_never_fit_is_refused_before_any_work(tiny_engine
 
 
 def test_an_error_inside_one_request_answers_it_and_the_next_one_succeeds(server, tiny_engine, monkeypatch):
-    original = tiny_engine._decode
+    original = tiny_engine._generate
     calls = []
 
     def failing(*args, **kwargs):
@@ -187,7 +199,7 @@ def test_an_error_inside_one_request_answers_it_and_the_next_one_succeeds(server
             raise RuntimeError("injected")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(tiny_engine, "_decode", failing)
+    monkeypatch.setattr(tiny_engine, "_generate", failing)
     reply = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2}, timeout=60)
     assert reply.status_code == 500 and reply.json()["error"]["message"] == "RuntimeError: injected"
     again = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2}, timeout=60)
@@ -313,3 +325,98 @@ def test_a_kept_prompt_serves_the_next_question_with_the_cold_tokens(tiny_engine
         metrics = httpx.get(url + "/metrics").text
     assert f"infinigen_prompt_tokens_cached_total {length // 16 * 16}" in metrics
     assert "infinigen_kept_prompts 2" in metrics
+
+
+def _asked(engine: Engine, prompt: str, max_tokens: int, **fields) -> tuple:
+    from infinigen.serve.protocol import parse
+
+    ask = parse({"model": engine.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields}, False)
+    return ask, engine.admit(ask)
+
+
+def _in_threads(engine: Engine, requests: list[tuple], first_blocks: bool = True) -> list:
+    """``engine.run`` for each (ask, admitted, on_text, stopped) in its own thread, the first started alone and
+    running before the others arrive (so that they wait together); each one's answer or error."""
+    results: list = [None] * len(requests)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = engine.run(*requests[i])
+        except Exception as exc:  # noqa: BLE001 (the test reads it)
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    threads[0].start()
+    deadline = time.monotonic() + 60
+    while first_blocks and not engine.metrics.active:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for thread in threads[1:]:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return results
+
+
+def test_waiting_requests_are_batched_and_each_gets_its_tokens_alone(tiny_engine, solo_engine):
+    """Eight requests of different prompts and lengths arriving while one runs decode in batches the plan
+    admits, each ending at its own max_tokens with the tokens it gets alone."""
+    prompts = [PROMPTS[i % 4] + " and" * i for i in range(8)]
+    lengths = [40] + [3 + i for i in range(1, 8)]
+    before = (tiny_engine.metrics.batches, tiny_engine.metrics.batched_rows)
+    asked = [_asked(tiny_engine, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    answers = _in_threads(tiny_engine, [(ask, admitted, lambda text: None) for ask, admitted in asked])
+    batches = tiny_engine.metrics.batches - before[0]
+    assert tiny_engine.metrics.batched_rows - before[1] == 8 and batches == 2, "the seven waiting ones together"
+    for answer, prompt, n in zip(answers, prompts, lengths, strict=True):
+        assert answer == solo(solo_engine, prompt, n)
+    assert answers[0].completion_tokens == 40 and answers[7].completion_tokens == 10, "each to its own length"
+    assert tiny_engine.metrics.queued == tiny_engine.metrics.active == 0
+
+
+def test_a_row_whose_client_leaves_stops_and_its_batch_mates_go_on(tiny_engine, solo_engine):
+    asked = itertools.count()  # the leaving client's stopped(): asked as its batch forms, then at every step
+    first = _asked(tiny_engine, PROMPTS[0], 30)
+    leaving = _asked(tiny_engine, PROMPTS[1], 30)
+    staying = _asked(tiny_engine, PROMPTS[2], 12)
+    requests = [(*first, lambda text: None), (*leaving, lambda text: None, lambda: next(asked) >= 3)]
+    requests.append((*staying, lambda text: None))
+    answers = _in_threads(tiny_engine, requests)
+    assert answers[1].completion_tokens == 3, "gone once asked after its third token"
+    assert answers[2] == solo(solo_engine, PROMPTS[2], 12)
+
+
+def test_a_failing_batch_runs_its_rows_again_alone_and_only_the_one_at_fault_fails(
+    tiny_engine, solo_engine, monkeypatch
+):
+    original, poison = tiny_engine._generate, "poison " + PROMPTS[3]
+    sizes = []
+
+    def failing(batch, *args, **kwargs):
+        sizes.append(len(batch))
+        if any(r.ask.prompt == poison for r in batch):
+            raise RuntimeError("injected")
+        return original(batch, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_engine, "_generate", failing)
+    requests = [(*_asked(tiny_engine, p, n), lambda text: None) for p, n in [(PROMPTS[0], 20), (poison, 4)]]
+    requests += [(*_asked(tiny_engine, p, 5), lambda text: None) for p in PROMPTS[1:3]]
+    answers = _in_threads(tiny_engine, requests)
+    assert sizes == [1, 3, 1, 1, 1], "the failed batch's rows again alone"
+    assert isinstance(answers[1], RuntimeError)
+    for answer, (ask, _, _) in zip(answers, requests, strict=True):
+        if ask.prompt != poison:
+            assert answer == solo(solo_engine, ask.prompt, ask.max_tokens)
+
+
+def test_with_kept_prompts_long_requests_run_alone_and_are_kept_short_ones_batch(tiny_engine):
+    """Over one prefill chunk a request runs alone (so that its prompt is kept whole for the next question);
+    shorter ones share batches."""
+    model, tokenizer, artifact = tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact
+    kept = Engine(model, tokenizer, artifact, {"prompt_cache_gb": 1, "block_tokens": 16}, "tiny", prefill_chunk=16)
+    long = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(3)]  # 30-odd tokens each
+    requests = [(*_asked(kept, p, 12), lambda text: None) for p in [PROMPTS[0], *long, *PROMPTS[1:]]]
+    answers = _in_threads(kept, requests)
+    assert all(a.completion_tokens for a in answers)
+    assert kept.metrics.batches == 5 and kept.metrics.batched_rows == 7, "three long ones alone, three short together"
+    assert len(kept.prompts) == 3

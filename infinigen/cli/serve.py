@@ -10,6 +10,8 @@ from infinigen.cli.app import command
 from infinigen.cli.options import ArtifactOpt, DeviceOpt, DtypeOpt, ModelArg, runtime_options
 from infinigen.cli.render import err_console
 from infinigen.errors import InfinigenError
+from infinigen.runtime.config import KEPT_CHUNK
+from infinigen.serve import MAX_BATCH
 
 
 @command
@@ -25,7 +27,10 @@ def serve(
     ] = None,
     prefill_chunk: Annotated[
         int, typer.Option(help="Prefill in chunks of this many tokens where prompts are kept (they serve whole ones).")
-    ] = 4096,
+    ] = KEPT_CHUNK,
+    max_batch: Annotated[
+        int, typer.Option(help="Most requests decoded together (fewer where the memory plan admits fewer).")
+    ] = MAX_BATCH,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
 ) -> None:
@@ -42,8 +47,8 @@ def serve(
         raise InfinigenError(f"infinigen serve needs the serve extra: pip install 'infinigen[serve]' ({exc})") from None
     if not 0 < port < 65536:
         raise InfinigenError(f"--port must be in 1..65535, got {port}")
-    if prefill_chunk < 1:
-        raise InfinigenError(f"--prefill-chunk must be at least 1, got {prefill_chunk}")
+    if prefill_chunk < 1 or max_batch < 1:
+        raise InfinigenError(f"--prefill-chunk and --max-batch must be at least 1, got {prefill_chunk}, {max_batch}")
     from infinigen.artifacts import open_artifact, read_artifact
     from infinigen.models import load_model
     from infinigen.runtime import RuntimeConfig
@@ -53,6 +58,6 @@ def serve(
     loaded = load_model(model, device=device, dtype=dtype)
     checked = open_artifact(read, loaded.model) if read is not None else None
     name = served_name or model or "smollm2-135m"
-    engine = Engine(loaded.model, loaded.tokenizer, checked, runtime, name, prefill_chunk)
+    engine = Engine(loaded.model, loaded.tokenizer, checked, runtime, name, prefill_chunk, max_batch)
     err_console.print(f"serving {engine.name} on http://{host}:{port}/v1 ({engine.device}); SIGTERM drains it")
     run(engine, host, port)

@@ -67,7 +67,7 @@ def true_scores(layer: OffloadedLayer, query: torch.Tensor, n: int) -> torch.Ten
         keys = block[:, :, : n - start, 0]  # (B, kv_heads, t, d): the K plane (8-bit rows: its codes)
         if layer.pool.kv_bits == 8:
             scales = layer.pool.scales[:, :, start : start + keys.shape[2], 0]
-            keys = int8_rows.decode(keys, scales, query.dtype, layer.pool.factors[:, None, 0])
+            keys = int8_rows.decode(keys, scales, query.dtype, layer.pool.factors[:, :, None, 0])
         keys = keys.to(query.device, query.dtype)
         parts.append(group_scores(query, keys, layer.valid[:, :, start : start + keys.shape[2]]))
     return torch.cat(parts, dim=-1)

@@ -23,6 +23,7 @@ KVBits = Literal[16, 8]
 ReuseRows = Literal["auto", "on", "off"]
 Allocation = Literal["adaptive", "uniform"]
 DEFAULT_RESIDENT_EXTRA = 2.0  # RuntimeConfig.resident_extra where rows are reused and none is given
+KEPT_CHUNK = 4096  # the prefill chunk where kept prompts are used and none is asked (``generate``'s default)
 
 
 def option(default: Any, help: str, *, applies_to: tuple[str, ...] = (), cli: bool = True) -> Any:

@@ -25,10 +25,9 @@ from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.cache.graphs import capture
 from infinigen.runtime.cache.kept import keep, restore
 from infinigen.runtime.cache.planning import plan_run
+from infinigen.runtime.config import KEPT_CHUNK
 from infinigen.runtime.memory.plan import Workload
 from infinigen.runtime.streams import side_stream
-
-KEPT_CHUNK = 4096  # the prefill chunk where kept prompts are used and none is asked (``generate``'s default)
 
 
 def cache_argument(model: PreTrainedModel) -> str:

@@ -6,3 +6,5 @@ that can never fit is refused before any work). ``protocol`` reads requests as t
 writes them and builds its responses; ``metrics`` keeps what ``GET /metrics`` shows. A client of the
 runtime: nothing in ``infinigen.runtime`` imports it.
 """
+
+MAX_BATCH = 8  # requests a batch takes at most, whatever the plan admits (``serve --max-batch``)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from infinigen.serve.engine import Answer, Engine
 from infinigen.serve.protocol import Ask, RequestError, chunk, error_body, parse, response, usage
 
+log = logging.getLogger("infinigen.serve")  # the server's own faults, with their tracebacks, on stderr
 MAX_BODY_BYTES = 16 << 20  # a 128K-token prompt is about 0.5 MB of text
 
 
@@ -104,6 +106,7 @@ def failed(exc: BaseException) -> JSONResponse:
     """The error body of a refused (``RequestError``) or failed request."""
     if isinstance(exc, RequestError):
         return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status)
+    log.error("a request failed", exc_info=exc)
     if isinstance(exc, torch.OutOfMemoryError):
         torch.cuda.empty_cache()  # the failed request's blocks back to the device
         return JSONResponse(error_body("out of GPU memory in this request", "server_error"), status_code=503)

@@ -1,16 +1,24 @@
-"""The server's engine: a loaded model, its artifact and runtime settings, decoding one request at a time.
+"""The server's engine: a loaded model, its artifact and runtime settings, and the requests waiting and running.
 
-Each request is planned before any work (``memory.plan``: its prompt, its new tokens, the GPU budget
-measured as the engine started): one that cannot fit is refused (a 400 with the plan's line). One that fits
-decodes through a fresh cache under that plan (``cache_for(..., plan=)``) with ``infinigen.decode``, its
-tokens handed to the caller as they come. Requests wait their turn on a lock: a request's tokens are those
-it would get alone. Its stop strings, and the caller's ``stopped()`` (a client gone), end it at the next
-step; its cache, closed, frees its memory whatever happened.
+Each request is planned alone before any work (``memory.plan``: its prompt, its new tokens, the GPU budget
+measured as the engine started): one that cannot fit is refused (a 400 with the plan's line). Admitted ones
+wait in arrival order; a worker thread takes them a batch at a time, the first waiting and those after it
+that decode alike (the same sampling, no seed) while the memory plan admits one more row, up to
+``max_batch``, and decodes the batch through one cache under that plan (``cache_for(..., plan=)``) with
+``infinigen.decode``, each row's tokens handed to its caller as they come. A new request waits for the next
+batch (running ones never wait for it). A row's greedy tokens are those it gets alone where the numerics let
+them be (each row's 8-bit key factors are its own; where prompts span several prefill chunks, padding moves
+a shorter row's chunk boundaries: BENCHMARKS.md, "Serving"). A row's stop strings, its own ``max_tokens``
+and its caller's ``stopped()`` (a client gone) end it at the next step; the batch's cache, closed, frees its
+memory whatever happened. A batch that fails runs its rows again alone where none had text yet, so only
+the request at fault gets the error.
 
 Prompts are kept across requests in host memory (``PromptCache``, ``--prompt-cache-gb``): a request whose prompt
 starts with a kept one (a document asked about again, a conversation's earlier turns) computes only the rest,
-in the chunks a cold run has (the same tokens); its usage says how many came from the cache. Where the host
-cannot hold a request's pool beside them, the least recently used go first.
+in the chunks a cold run has (the same tokens); its usage says how many came from the cache. Such a request,
+and one long enough to be kept (over one prefill chunk), runs alone and keeps its prompt: a batch's rows are
+not kept, and a long prompt's prefill gains little from company. Shorter prompts batch. Where the host cannot
+hold a request's pool beside the kept prompts, the least recently used go first.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
@@ -27,10 +35,10 @@ from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_argument, cache_for, decode
 from infinigen.runtime.cache.prompts import PromptCache
-from infinigen.runtime.config import config_from
-from infinigen.runtime.generation import KEPT_CHUNK
+from infinigen.runtime.config import KEPT_CHUNK, config_from
 from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.text import left_padded, pad_token_id
+from infinigen.serve import MAX_BATCH
 from infinigen.serve.metrics import Metrics
 from infinigen.serve.protocol import Ask, RequestError
 
@@ -44,35 +52,20 @@ class Answer:
     cached_tokens: int = 0  # of the prompt's, from a kept prompt
 
 
-class Until(StoppingCriteria):
-    """Ends decoding once ``done()`` says so (every row: one request a batch)."""
-
-    def __init__(self, done: Callable[[], bool]) -> None:
-        self.done = done
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.done(), dtype=torch.bool, device=input_ids.device)
-
-
 class Tokens:
-    """``infinigen.decode``'s streamer for one request: its new tokens, as text, to ``on_text`` (the part of the
-    text no stop string can still claim), until a stop string or the end; what it ended on."""
+    """One row's new tokens, as text, to ``on_text`` (the part of the text no stop string can still claim),
+    until an end token, a stop string or ``limit`` tokens; what it ended on."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...], on_text: Callable[[str], None], ends: set[int]) -> None:
-        self.tokenizer, self.stops, self.on_text, self.ends = tokenizer, stops, on_text, ends
+    def __init__(self, tokenizer, stops: tuple[str, ...], on_text: Callable[[str], None], ends: set[int], limit: int):
+        self.tokenizer, self.stops, self.on_text, self.ends, self.limit = tokenizer, stops, on_text, ends, limit
         self.ids: list[int] = []
         self.sent = 0  # characters of the text handed on
-        self.prompt_seen = False
         self.finish_reason: str | None = None
         self.text = ""
 
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # the first call carries the prompt
-            self.prompt_seen = True
-            return
+    def put(self, token: int) -> None:
         if self.finish_reason is not None:
             return
-        token = int(value.reshape(-1)[0])
         if token in self.ends:
             self.finish_reason = "stop"
             self._flush(self.text)
@@ -82,6 +75,10 @@ class Tokens:
         hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.finish_reason, self.text = "stop", self.text[: min(hits)]
+            self._flush(self.text)
+            return
+        if len(self.ids) >= self.limit:
+            self.finish_reason = "length"
             self._flush(self.text)
             return
         held = max((len(s) - 1 for s in self.stops), default=0)  # a stop string may be starting
@@ -100,6 +97,51 @@ class Tokens:
             self._flush(self.text)
 
 
+class Rows(StoppingCriteria):
+    """``infinigen.decode``'s streamer and stopping criterion for a batch: row b's tokens to ``tokens[b]``,
+    and row b done once it has ended or ``stopped[b]()`` says so (a client gone)."""
+
+    def __init__(self, tokens: list[Tokens], stopped: list[Callable[[], bool]]) -> None:
+        self.tokens, self.stopped = tokens, stopped
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # the first call carries the prompt
+            self.prompt_seen = True
+            return
+        for row, token in zip(self.tokens, value.reshape(-1).tolist(), strict=True):
+            row.put(token)
+
+    def end(self) -> None:
+        for row in self.tokens:
+            row.end()
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        for row, gone in zip(self.tokens, self.stopped, strict=True):
+            if row.finish_reason is None and gone():
+                row.finish_reason = "stop"  # its later tokens (padding) are not its own
+        done = [row.finish_reason is not None for row in self.tokens]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+@dataclass(eq=False)
+class Waiting:
+    """An admitted request: what it runs, its plan alone, its caller's ends; its answer or error once done."""
+
+    ask: Ask
+    ids: list[int]
+    new_tokens: int
+    plan: memory.MemoryPlan
+    on_text: Callable[[str], None]
+    stopped: Callable[[], bool]
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: Answer | None = None
+    error: BaseException | None = None
+    sent: bool = False  # some of its text went to its caller
+    alone: bool = False  # its batch failed: it runs in none again
+    arrived: float = field(default_factory=time.perf_counter)  # its first token's latency counts from here
+
+
 class Engine:
     def __init__(
         self,
@@ -109,17 +151,20 @@ class Engine:
         settings: dict,
         name: str,
         prefill_chunk: int = KEPT_CHUNK,
+        max_batch: int = MAX_BATCH,
     ) -> None:
-        """``prefill_chunk``: the prefill's chunk where prompts are kept (they serve whole chunks of it)."""
+        """``prefill_chunk``: the prefill's chunk where prompts are kept (they serve whole chunks of it);
+        ``max_batch``: the most requests decoded together."""
+        if max_batch < 1:
+            raise InfinigenError(f"the largest batch must be at least 1, got {max_batch}")
         self.model, self.tokenizer, self.artifact, self.name = model, tokenizer, artifact, name
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.config = config_from(settings)  # refused here if bad
         self.device = next(model.parameters()).device
-        self.lock = threading.Lock()
         self.metrics = Metrics()
         self.draining = False  # shutting down: running requests finish, new ones are refused
-        # the GPU budget every request is planned in, measured once with the weights loaded and nothing running:
-        # requests run one at a time, each with the whole of it (measured while another runs, it would be less)
+        # the GPU budget every batch is planned in, measured once with the weights loaded and nothing running:
+        # batches run one at a time, each with the whole of it (measured while one runs, it would be less)
         self.budget = memory.budget_bytes(self.config.gpu_memory_gb, self.device)
         self.prompts = _prompt_cache(self.config.prompt_cache_gb)
         self.context = model.config.max_position_embeddings
@@ -127,6 +172,9 @@ class Engine:
         configured = getattr(model.generation_config, "eos_token_id", None)
         self.ends = set(configured if isinstance(configured, list) else [configured]) | {tokenizer.eos_token_id}
         self.ends.discard(None)
+        self.waiting: list[Waiting] = []  # admitted, in arrival order
+        self.turn = threading.Lock()  # held by whoever changes ``waiting`` or the worker
+        self.worker: threading.Thread | None = None  # decodes while requests wait, then ends
 
     def prompt_ids(self, ask: Ask) -> list[int]:
         if not ask.chat:
@@ -137,8 +185,8 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def admit(self, ask: Ask) -> tuple[list[int], int, memory.MemoryPlan]:
-        """The request's prompt, new tokens and plan, or ``RequestError`` before any work: a model other than
-        this one, a prompt the context cannot hold, a run the memory plan cannot fit."""
+        """The request's prompt, new tokens and plan alone, or ``RequestError`` before any work: a model other
+        than this one, a prompt the context cannot hold, a run the memory plan cannot fit."""
         if ask.model != self.name:
             raise RequestError(f"model {ask.model!r} is not served here: {self.name!r} is", "model", 404)
         ids = self.prompt_ids(ask)
@@ -152,71 +200,156 @@ class Engine:
                 f"{self.context} tokens",
                 "max_tokens",
             )
-        # with kept prompts in chunks of ``prefill_chunk`` (a kept prompt serves whole chunks), else the prompt in
-        # one forward where it fits (the fastest); the plan's chunks where they must be smaller
-        chunk = self.prefill_chunk if self.prompts is not None else None
-        work = memory.Workload(1, len(ids), new_tokens, chunk, keeps=self.prompts is not None)
-        found = memory.plan_for(self.model, self.config, work, self.budget)
+        found = self._plan([ids], new_tokens, keeps=self.prompts is not None)
         while self.prompts is not None and len(self.prompts) and not memory.fits_host(found):
             self.prompts.evict()  # the host's memory for this request's pool first
         if why := memory.why_not(found):
             raise RequestError(why, "messages" if ask.chat else "prompt")
         return ids, new_tokens, found
 
+    def _plan(self, prompts: list[list[int]], new_tokens: int, keeps: bool) -> memory.MemoryPlan:
+        """The plan of a batch of ``prompts`` (left-padded to the longest) for ``new_tokens`` each: with kept
+        prompts in chunks of ``prefill_chunk`` (a kept prompt serves whole chunks; a batched row has the chunks
+        it has alone), else the prompt in one forward where it fits (the fastest); the plan's chunks where they
+        must be smaller."""
+        chunk = self.prefill_chunk if self.prompts is not None else None
+        lengths = {len(ids) for ids in prompts}
+        work = memory.Workload(len(prompts), max(lengths), new_tokens, chunk, len(lengths) > 1, keeps=keeps)
+        return memory.plan_for(self.model, self.config, work, self.budget)
+
     def run(
         self, ask: Ask, admitted: tuple, on_text: Callable[[str], None], stopped: Callable[[], bool] = lambda: False
     ) -> Answer:
-        """Decode ``ask`` (``admitted``: what ``admit`` said of it) in its turn, handing its text to ``on_text`` as
-        it comes; ``stopped()``, asked at every step, ends it early (a client gone)."""
-        ids, new_tokens, found = admitted
-        with self.metrics.counting("queued"):
-            self.lock.acquire()
+        """Decode ``ask`` (``admitted``: what ``admit`` said of it) in its batch, handing its text to ``on_text``
+        as it comes; ``stopped()``, asked at every step, ends it early (a client gone)."""
+        request = Waiting(ask, *admitted, on_text, stopped)
+        with self.turn:
+            self.waiting.append(request)
+            self.metrics.add("queued", 1)
+            if self.worker is None:
+                self.worker = threading.Thread(target=self._work, name="infinigen-engine", daemon=True)
+                self.worker.start()
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return request.answer
+
+    def _work(self) -> None:
+        """The worker: a batch at a time while requests wait."""
+        while True:
+            with self.turn:
+                taken = self._take()
+                if taken is None:
+                    self.worker = None
+                    return
+            batch, found = taken
+            self.metrics.batched(len(batch))
+            self.metrics.add("active", len(batch))
+            try:
+                self._decode_batch(batch, found)
+            finally:
+                self.metrics.add("active", -len(batch))
+
+    def _take(self) -> tuple[list[Waiting], memory.MemoryPlan] | None:
+        """The next batch and its plan (``waiting`` locked): the first request waiting, then those after it that
+        decode alike while the plan admits one more row, up to ``max_batch``. One with a seed runs alone (its own
+        random stream), as do those kept prompts concern (``_batches``). Those whose client left are answered,
+        unrun."""
+        for gone in [r for r in self.waiting if r.stopped()]:
+            self.waiting.remove(gone)
+            self.metrics.add("queued", -1)
+            gone.answer = Answer("", "stop", len(gone.ids), 0)
+            gone.done.set()
+        if not self.waiting:
+            return None
+        batch, found = [self.waiting[0]], self.waiting[0].plan
+        if self._batches(batch[0]):
+            for other in self.waiting[1:]:
+                if len(batch) == self.max_batch:
+                    break
+                if not self._batches(other) or other.ask.sampling != batch[0].ask.sampling:
+                    continue
+                grown = self._plan([r.ids for r in [*batch, other]], max(r.new_tokens for r in [*batch, other]), False)
+                if grown.fits and memory.fits_host(grown):
+                    batch, found = [*batch, other], grown
+        for request in batch:
+            self.waiting.remove(request)
+        self.metrics.add("queued", -len(batch))
+        return batch, found
+
+    def _batches(self, request: Waiting) -> bool:
+        """Whether ``request`` may share a batch: not where prompts are kept and it is long enough to be (over one
+        prefill chunk: alone, it is kept whole for the next question about it) or a kept prompt serves it."""
+        if self.max_batch == 1 or request.alone or request.ask.sampling.seed is not None:
+            return False
+        if self.prompts is None:
+            return True
+        return len(request.ids) <= self.prefill_chunk and not self.prompts.serves(torch.tensor(request.ids))
+
+    def _decode_batch(self, batch: list[Waiting], found: memory.MemoryPlan) -> None:
+        """Decode ``batch`` under ``found``, each request answered (or its error set) and told it is done."""
+        times: list[list[float]] = [[] for _ in batch]
+
+        def timed(row: int) -> Callable[[str], None]:
+            def on_text(text: str) -> None:
+                times[row].append(time.perf_counter())
+                batch[row].sent = True
+                batch[row].on_text(text)
+
+            return on_text
+
+        tokens = [Tokens(self.tokenizer, r.ask.stop, timed(i), self.ends, r.new_tokens) for i, r in enumerate(batch)]
+        rows = Rows(tokens, [r.stopped for r in batch])
+        alone = len(batch) == 1
+        cached = 0
         try:
-            with self.metrics.counting("active"):
-                if stopped():  # gone while it waited
-                    return Answer("", "stop", len(ids), 0)
-                return self._decode(ask, ids, new_tokens, found, on_text, stopped)
-        finally:
-            self.lock.release()
+            cached, peak = self._generate(batch, found, rows, self.prompts if alone else None)
+        except Exception as exc:  # the batch's failure: each row again alone where it had no text yet
+            retry = [r for r in batch if not alone and not r.sent]
+            for request in batch:
+                if request in retry:
+                    request.alone = True
+                else:
+                    request.error = RequestError(str(exc), status=400) if isinstance(exc, InfinigenError) else exc
+                    request.done.set()
+            with self.turn:
+                self.waiting[:0] = retry
+                self.metrics.add("queued", len(retry))
+            return
+        rows.end()
+        for request, row, row_times in zip(batch, tokens, times, strict=True):
+            arrived = request.arrived
+            self.metrics.finished(arrived, row_times, len(request.ids), len(row.ids), found, peak, cached, self.prompts)
+            request.answer = Answer(row.text, row.finish_reason or "length", len(request.ids), len(row.ids), cached)
+            request.done.set()
 
-    def _decode(self, ask: Ask, ids, new_tokens: int, found, on_text, stopped) -> Answer:
-        started = time.perf_counter()
-        times: list[float] = []
-
-        def timed(text: str) -> None:
-            times.append(time.perf_counter())
-            on_text(text)
-
-        tokens = Tokens(self.tokenizer, ask.stop, timed, self.ends)
-        inputs = left_padded([ids], self.pad, self.device)
+    def _generate(self, batch: list[Waiting], found, rows: Rows, prompts: PromptCache | None) -> tuple[int, int | None]:
+        """``model.generate`` over the batch's prompts, left-padded: the prompt tokens a kept prompt served and
+        the GPU's peak (None elsewhere)."""
+        inputs = left_padded([r.ids for r in batch], self.pad, self.device)
         chunk = found.workload.prefill_chunk
         kwargs = {"prefill_chunk_size": chunk} if chunk else {}
-        if ask.sampling.seed is not None:
-            torch.manual_seed(ask.sampling.seed)
+        sampling = batch[0].ask.sampling
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # batches differ in shape: each starts from no cached blocks, as planned
             torch.cuda.reset_peak_memory_stats(self.device)
-        until = Until(lambda: tokens.finish_reason is not None or stopped())
-        try:
-            with cache_for(self.model, self.artifact, plan=found, prompts=self.prompts) as cache, torch.no_grad():
-                self.model.generate(
-                    **inputs,
-                    max_new_tokens=new_tokens,
-                    **ask.sampling.generate_kwargs(),
-                    custom_generate=decode,
-                    decode_streamer=tokens,
-                    stopping_criteria=StoppingCriteriaList([until]),
-                    pad_token_id=self.pad,
-                    **kwargs,
-                    **{cache_argument(self.model): cache},
-                )
-                cached = cache.reused_tokens
-        except InfinigenError as exc:
-            raise RequestError(str(exc), status=400) from None
-        tokens.end()
-        finish = tokens.finish_reason or "length"
+        with cache_for(self.model, self.artifact, plan=found, prompts=prompts) as cache, torch.no_grad():
+            self.model.generate(
+                **inputs,
+                max_new_tokens=max(r.new_tokens for r in batch),
+                **sampling.generate_kwargs(),
+                custom_generate=decode,
+                decode_streamer=rows,
+                stopping_criteria=StoppingCriteriaList([rows]),
+                pad_token_id=self.pad,
+                **kwargs,
+                **{cache_argument(self.model): cache},
+            )
+            cached = cache.reused_tokens
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        self.metrics.finished(started, times, len(ids), len(tokens.ids), found, peak, cached, self.prompts)
-        return Answer(tokens.text, finish, len(ids), len(tokens.ids), cached)
+        return cached, peak
 
 
 def _prompt_cache(gb: float | None) -> PromptCache | None:

@@ -5,7 +5,6 @@ against measured GPU peak and planned host memory."""
 from __future__ import annotations
 
 import bisect
-import contextlib
 import threading
 import time
 
@@ -40,27 +39,27 @@ class Metrics:
         self.queued = self.active = 0
         self.outcomes: dict[str, int] = {}  # by HTTP status class: "2xx", "4xx", "5xx"
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
+        self.batches = self.batched_rows = 0  # batches decoded, and the requests in them
         self.kept = (0, 0, 0)  # kept prompts: how many, their host bytes, how many evicted
         self.decode_seconds = 0.0
         self.first_token = Histogram(FIRST_TOKEN_BUCKETS)
         self.inter_token = Histogram(INTER_TOKEN_BUCKETS)
         self.planned_gpu = self.measured_gpu = self.planned_host = None
 
-    @contextlib.contextmanager
-    def counting(self, gauge: str):
-        """The gauge ``gauge`` ("queued": requests waiting their turn, "active": running) one up for the block."""
+    def add(self, gauge: str, n: int) -> None:
+        """The gauge ``gauge`` ("queued": requests waiting their batch, "active": running) moved by ``n``."""
         with self.lock:
-            setattr(self, gauge, getattr(self, gauge) + 1)
-        try:
-            yield
-        finally:
-            with self.lock:
-                setattr(self, gauge, getattr(self, gauge) - 1)
+            setattr(self, gauge, getattr(self, gauge) + n)
 
     def answered(self, status: int) -> None:
         with self.lock:
             key = f"{status // 100}xx"
             self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def batched(self, rows: int) -> None:
+        with self.lock:
+            self.batches += 1
+            self.batched_rows += rows
 
     def finished(self, started: float, times, prompt: int, generated: int, found, peak, cached=0, prompts=None) -> None:
         """A decoded request: ``times`` when each piece of its text came (the first: its first token); ``cached``: its
@@ -87,6 +86,10 @@ class Metrics:
                 f"infinigen_requests_running {self.active}",
                 "# TYPE infinigen_requests_total counter",
                 *(f'infinigen_requests_total{{status="{k}"}} {v}' for k, v in sorted(self.outcomes.items())),
+                "# TYPE infinigen_batches_total counter",
+                f"infinigen_batches_total {self.batches}",
+                "# TYPE infinigen_batch_rows_total counter",
+                f"infinigen_batch_rows_total {self.batched_rows}",
                 "# TYPE infinigen_prompt_tokens_total counter",
                 f"infinigen_prompt_tokens_total {self.prompt_tokens}",
                 "# TYPE infinigen_prompt_tokens_cached_total counter",

@@ -79,6 +79,7 @@ class InfinigenCache(RowReuse, Cache):
         self.ropes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rope_types = tuple(getattr(model.config, "layer_types", None) or (None,) * self.spec.n_layers)
         self.decoding = False  # whether the running forward is a decode step (one token per row)
+        self.forward_valid: torch.Tensor | None = None  # (B, T) bool: a prefill forward's tokens, not padding
         cuda = self.device.type == "cuda"
         self.stream = side_stream(self.device, "transfer") if cuda else None  # row moves
         self.selection_stream = side_stream(self.device, "selection") if cuda else None
@@ -451,7 +452,7 @@ class InfinigenCache(RowReuse, Cache):
         (all of the prompt's KV over the bus) run beside the next layers' compute instead of holding
         the compute stream. Every later read of the pool is a gather on that same stream. (8-bit rows
         are encoded first, on the compute stream, which writes their device-side scales.)"""
-        rows = layer.pool.encode_range(start, rows)
+        rows = layer.pool.encode_range(start, rows, self.forward_valid)
         if self.stream is None:
             layer.pool.write_range(start, rows)
             return

@@ -105,8 +105,11 @@ class Attachment:
             return
         given = (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1])
         inputs = next((t for t in given if isinstance(t, torch.Tensor)), None)  # (B, T) or (B, T, hidden)
+        mask = kwargs.get("attention_mask")
         if inputs is not None:  # before anything of the forward is allocated
-            check_forward(cache, inputs.shape[0], inputs.shape[1], kwargs.get("attention_mask"))
+            check_forward(cache, inputs.shape[0], inputs.shape[1], mask)
+        two_d = isinstance(mask, torch.Tensor) and mask.dim() == 2 and inputs is not None and inputs.shape[1] > 1
+        cache.forward_valid = mask[:, -inputs.shape[1] :].bool() if two_d else None  # 8-bit rows' smoothing
         self.running = cache
         self.own = [config._attn_implementation_internal for config in self.configs]
         for config in self.configs:

@@ -134,7 +134,7 @@ class Fetched:
     codec: RowCodec | None = None
     # 8-bit rows kept on the GPU (row reuse): ``packed`` their codes, dequantised with these (``int8_rows``)
     scales: torch.Tensor | None = None  # (B, kv_heads, 2, K) float32
-    factors: torch.Tensor | None = None  # (kv_heads, 2, d) float32
+    factors: torch.Tensor | None = None  # (B, kv_heads, 2, d) float32
 
 
 class OffloadedLayer(_Layer):

@@ -13,8 +13,10 @@ that share a prompt's first j chunks; the tokens themselves are then compared (`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -78,9 +80,21 @@ def block_hashes(key: dict, tokens: torch.Tensor, block_tokens: int) -> list[byt
     return hashes
 
 
+def _locked(method):
+    """``method`` under its PromptCache's lock: a server's requests are admitted while a batch decodes."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class PromptCache:
     """Kept prompts in host memory, at most ``gb`` GB (10^9 bytes; None: no limit) of them, least recently
-    used evicted first. Blocks shared by several kept prompts (a conversation's turns) count once."""
+    used evicted first. Blocks shared by several kept prompts (a conversation's turns) count once. Safe to
+    share between threads."""
 
     def __init__(self, gb: float | None = None) -> None:
         if gb is not None and not gb >= 0:
@@ -90,11 +104,13 @@ class PromptCache:
         self.index: dict[bytes, set[int]] = {}  # block hash -> the kept prompts holding that prefix
         self.hits = self.misses = self.evicted = 0
         self.newest: KeptPrompt | None = None  # the latest added (a prompt file's next contents)
+        self.lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self.entries)
 
     @property
+    @_locked
     def nbytes(self) -> int:
         """Host bytes the kept prompts hold, each block once."""
         held: dict[int, int] = {}
@@ -102,6 +118,7 @@ class PromptCache:
             held |= kept.held()
         return sum(held.values())
 
+    @_locked
     def match(self, key: dict, tokens: torch.Tensor) -> tuple[KeptPrompt | None, int]:
         """The kept prompt serving most of ``tokens`` (N,) for a cache of ``key``, and how many tokens it
         serves (0: none); a hit becomes the most recently used."""
@@ -122,6 +139,13 @@ class PromptCache:
         self.entries.move_to_end(id(best))
         return best, served
 
+    @_locked
+    def serves(self, tokens: torch.Tensor) -> int:
+        """The most of ``tokens`` (N,) a kept prompt would serve, whatever its key (a server's, whose kept prompts
+        share one), without counting a hit: whether a request is better run alone, from it."""
+        return max((kept.usable(tokens) for kept in self.entries.values()), default=0)
+
+    @_locked
     def add(self, kept: KeptPrompt) -> None:
         """Keep ``kept`` (the most recently used), then evict the least recently used beyond the budget
         (``kept`` too, where it alone is over it). A prompt shorter than the unit it serves is not kept."""
@@ -135,11 +159,13 @@ class PromptCache:
         while self.budget is not None and self.entries and self.nbytes > self.budget:
             self.evict()
 
+    @_locked
     def evict(self) -> None:
         """Drop the least recently used kept prompt."""
         self.drop(next(iter(self.entries.values())))
         self.evicted += 1
 
+    @_locked
     def drop(self, kept: KeptPrompt) -> None:
         """Forget ``kept``: its memory goes once no cache reads it (nor a kept prompt that borrows its blocks)."""
         self.entries.pop(id(kept), None)
@@ -150,6 +176,7 @@ class PromptCache:
                 if not holders:
                     del self.index[digest]
 
+    @_locked
     def clear(self) -> None:
         for kept in list(self.entries.values()):
             self.drop(kept)

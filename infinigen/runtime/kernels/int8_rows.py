@@ -18,9 +18,10 @@ reuse) stay in 8 bits there, codes and scales as moved, and are dequantised for 
 Keys are smoothed per channel before they are rounded: a few fixed channels of a head's keys hold
 outliers (Qwen2.5's reach tens of times the rest), and one scale per row spent on them rounds every
 other channel to a few levels. Each key channel c of a KV head is divided by a factor f_c = sqrt(absmax_c)
-(its largest magnitude over the layer's first prompt rows: ``channel_factors``) before the row's scale is
-taken, and multiplied back when the row is read, by the gather along with the scale: no extra pass, no
-extra bytes over the bus. Values, whose outliers are per token, are not smoothed (factor 1). On
+(its largest magnitude over the batch row's first prompt tokens, padding left out: ``channel_factors``; per
+row, so that a row's codes do not depend on the rows batched with it) before the row's scale is taken,
+and multiplied back when the row is read, by the gather along with the scale: no extra pass, no extra
+bytes over the bus. Values, whose outliers are per token, are not smoothed (factor 1). On
 Qwen2.5-Coder-0.5B's keys this cuts the attention error 13x (results/2026-11-29-cpu-key-formats-*).
 
 Round trip: a value x of a plane whose smoothed absmax is m comes back within ``scale * f / 2`` of x,
@@ -37,12 +38,16 @@ LEVELS = 127  # symmetric codes -127 .. 127
 BITS_MOVED = 8  # per value over the bus: the codes (the scales stay on the device)
 
 
-def channel_factors(rows: torch.Tensor) -> torch.Tensor:
-    """rows (B, H, T, 2, d) -> (H, 2, d) float32: each key channel's factor sqrt(absmax over the batch and
-    tokens) (1 for a channel that is all zero), and 1 for every value channel."""
-    largest = rows[..., 0, :].float().abs().amax(dim=(0, 2))  # (H, d)
+def channel_factors(rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """rows (B, H, T, 2, d), ``valid`` (B, T) bool (None: every token) -> (B, H, 2, d) float32: each key
+    channel's factor sqrt(absmax over the row's valid tokens) (1 for a channel that is all zero there), and 1
+    for every value channel."""
+    keys = rows[..., 0, :].float().abs()  # (B, H, T, d)
+    if valid is not None:
+        keys = keys * valid[:, None, :, None].to(keys.device)
+    largest = keys.amax(dim=2)  # (B, H, d)
     keys = torch.where(largest > 0, largest.sqrt(), 1.0)
-    return torch.stack([keys, torch.ones_like(keys)], dim=1)
+    return torch.stack([keys, torch.ones_like(keys)], dim=2)
 
 
 def encode(rows: torch.Tensor, factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +72,7 @@ def decode(
 
 def dequantise(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, out: torch.Tensor) -> None:
     """out (B, H, 2, P, d) <- codes (B, H, 2, P, d) int8 times their scales (B, H, 2, P) and their channels'
-    factors (H, 2, d), as ``decode`` gives them: rows kept on the GPU in 8 bits (``reuse.ResidentRows``), for a
+    factors (B, H, 2, d), as ``decode`` gives them: rows kept on the GPU in 8 bits (``reuse.ResidentRows``), for a
     step's attention, and a prefill's blocks of earlier rows (``KVPool.read_rows``: (B, H, P, 2, d) seen as
     (B, H, 2, P, d)). On CUDA one kernel, in float32 registers; elsewhere a batch row at a time (a
     float32 copy of them all would take twice their 16-bit size)."""
@@ -75,7 +80,7 @@ def dequantise(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor,
         _launch_dequantise(codes, scales, factors, out)
         return
     for b in range(codes.shape[0]):
-        out[b] = decode(codes[b], scales[b], out.dtype, factors[:, :, None])
+        out[b] = decode(codes[b], scales[b], out.dtype, factors[b, :, :, None])
 
 
 if triton is not None:
@@ -87,7 +92,6 @@ if triton is not None:
         factors,
         out,
         positions,
-        kv_heads,
         code_head,
         code_plane,
         code_position,
@@ -111,7 +115,7 @@ if triton is not None:
         at = p[:, None] * code_position + col[None, :]
         code = tl.load(codes + bh * code_head + plane * code_plane + at, mask=mask, other=0)
         scale = tl.load(scales + bh * scale_head + plane * scale_plane + p * scale_position, mask=live, other=0)
-        factor = tl.load(factors + ((bh % kv_heads) * 2 + plane) * head_dim + col, mask=col < head_dim, other=1.0)
+        factor = tl.load(factors + (bh * 2 + plane) * head_dim + col, mask=col < head_dim, other=1.0)
         values = code.to(tl.float32) * scale[:, None] * factor[None, :]
         at = p[:, None] * out_position + col[None, :]
         tl.store(out + bh * out_head + plane * out_plane + at, values, mask=mask)
@@ -131,7 +135,6 @@ def _launch_dequantise(codes: torch.Tensor, scales: torch.Tensor, factors: torch
         factors.contiguous(),
         out,
         positions,
-        heads,
         codes.stride(1),
         codes.stride(2),
         codes.stride(3),

@@ -30,7 +30,7 @@ class BlockedRows(Protocol):
     block_tokens: int
     kv_bits: int
     scales: torch.Tensor | None  # (B, H, capacity, 2) float32 on the compute device (8-bit rows)
-    factors: torch.Tensor | None  # (H, 2, d) float32 on the compute device: channels' factors (8-bit rows)
+    factors: torch.Tensor | None  # (B, H, 2, d) float32 on the compute device: channels' factors (8-bit rows)
     gather_rows: int
     gather_programs: int | None
     shape: tuple[int, ...]  # a block's
@@ -70,7 +70,7 @@ def gather_rows(
     if pool.kv_bits == 8:
         scales = pool.scales.cpu()[b, h, cpu_indices.clamp(0, pool.capacity - 1)]  # (B, H, K, 2)
         if out_scales is None:
-            rows = int8_rows.decode(rows, scales, out.dtype, pool.factors.cpu()[:, None])
+            rows = int8_rows.decode(rows, scales, out.dtype, pool.factors.cpu()[:, :, None])
     past_count = torch.zeros(batch, heads, k, dtype=torch.bool)
     if count is not None:  # rows past the count are zeros, as on CUDA (their slots may be unwritten)
         past_count = torch.arange(k) >= count.cpu().view(batch, -1, 1).expand(batch, heads, 1)
@@ -147,7 +147,7 @@ if triton is not None:
         the gather keeps enough PCIe reads in flight while leaving SMs to the compute stream.
         With ``int8``, a pool row is 2 * head_dim int8 codes; what lands in ``out`` is each code times
         its plane's float32 scale, read from ``scales`` (B * H, capacity, 2) in device memory, and its
-        column's factor, from ``factors`` (H, 2 * head_dim); with ``raw`` the codes as stored instead, and
+        column's factor, from ``factors`` (B * H, 2 * head_dim); with ``raw`` the codes as stored instead, and
         their scales into ``out_scales`` (B * H, 2, positions)."""
         row = 2 * head_dim
         col = tl.arange(0, row_pow2)
@@ -171,7 +171,7 @@ if triton is not None:
                 v_scale = tl.load(at + 1, mask=live, other=0)
                 if not raw:
                     scale = tl.where((col < head_dim)[None, :], k_scale[:, None], v_scale[:, None])
-                    factor = tl.load(factors + (bh % kv_heads) * row + col, mask=col < row, other=1.0)
+                    factor = tl.load(factors + bh * row + col, mask=col < row, other=1.0)
                     values = values.to(tl.float32) * scale * factor[None, :]
             if has_destination:  # rows kept between steps (row reuse) stay: only moved rows are written
                 position = tl.load(destination + _offset(bh, k, j, 1), mask=live, other=0)

@@ -174,8 +174,8 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
         kv_bits = row_bits(config)
         per_slot = 1 + (8 if kv_bits == 8 else 0) + (20 if config.cpu_pool_gb is not None else 0)
         per_slot += policy.slot_bytes(config, d, e, channels)
-        factors = kv * 2 * d * 4 if kv_bits == 8 else 0  # 8-bit rows' channel factors, float32
-        state = int(len(offloaded) * (batch * kv * capacity * per_slot + factors))
+        factors = kv * 2 * d * 4 if kv_bits == 8 else 0  # 8-bit rows' channel factors a row, float32
+        state = int(len(offloaded) * batch * (kv * capacity * per_slot + factors))
         parts.append(Part("offloaded layers' slot state", "gpu", state))
         if policy.speculates:  # partial key columns; the query's per head (OPT: folded rows over the hidden size)
             query = heads * channels * (d if spec.rope else model.hidden + 1)

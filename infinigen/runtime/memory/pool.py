@@ -81,10 +81,11 @@ class KVPool:
         # device. Written on the compute stream only (``encode_range``, ``write_slots``), beside the
         # layer's other per-slot state; replaced (grown) only where the block table is
         self.scales = torch.zeros(batch, kv_heads, 0, 2, device=device) if kv_bits == 8 else None
-        # 8-bit rows: (kv_heads, 2, width) float32, each channel's smoothing factor (``int8_rows``), set in
-        # place from the first rows written (``smoothed``), so a captured step's pointer to it stays valid
-        self.factors = torch.ones(kv_heads, 2, width, device=device) if kv_bits == 8 else None
-        self.smoothed = False
+        # 8-bit rows: (B, kv_heads, 2, width) float32, each row's channels' smoothing factors (``int8_rows``),
+        # set in place from the row's first tokens written (``smoothed``), so a captured step's pointer stays valid
+        self.factors = torch.ones(batch, kv_heads, 2, width, device=device) if kv_bits == 8 else None
+        self.smoothed = False  # every row's factors set
+        self.rows_smoothed = torch.zeros(batch, dtype=torch.bool, device=device) if kv_bits == 8 else None
 
     @property
     def capacity(self) -> int:
@@ -144,26 +145,34 @@ class KVPool:
         if self.kv_bits == 8:
             self.factors.copy_(factors)
             self.smoothed = True
+            self.rows_smoothed.fill_(True)
             self.scales = scales
         self._blocks_changed()
 
-    def encode_range(self, start: int, rows: torch.Tensor) -> torch.Tensor:
+    def encode_range(self, start: int, rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Rows (batch, kv_heads, T, 2, d) for slots start .. start+T-1 as ``write_range`` takes them:
-        with ``kv_bits`` 8 their codes, their scales written into ``scales`` here (on the current stream)."""
+        with ``kv_bits`` 8 their codes, their scales written into ``scales`` here (on the current stream).
+        ``valid`` (B, T) bool: which are tokens, not padding (None: all)."""
         if self.kv_bits == 16:
             return rows
         self.reserve(start + rows.shape[2])
-        codes, scales = int8_rows.encode(rows, self.smoothing(rows))
+        codes, scales = int8_rows.encode(rows, self.smoothing(rows, valid))
         self.scales[:, :, start : start + rows.shape[2]] = scales
         return codes
 
-    def smoothing(self, rows: torch.Tensor) -> torch.Tensor:
-        """The channel factors (kv_heads, 1, 2, width), broadcast to rows (B, kv_heads, T, 2, width), set
-        from ``rows`` if none were yet: the layer's first rows (a prompt's first chunk)."""
+    def smoothing(self, rows: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The channel factors (B, kv_heads, 1, 2, width), broadcast to rows (B, kv_heads, T, 2, width), each
+        row's set from its first tokens among ``rows`` (``valid`` (B, T) bool: which are tokens; None: all)
+        if none were yet: a prompt's first chunk, padding and the other rows left out, so that a row's codes
+        are those it has alone (where its first chunk holds the same tokens)."""
         if not self.smoothed:
-            self.factors.copy_(int8_rows.channel_factors(rows))
-            self.smoothed = True
-        return self.factors[:, None]
+            given = torch.ones(rows.shape[0], dtype=torch.bool, device=self.device) if valid is None else valid.any(1)
+            first = given & ~self.rows_smoothed  # (B,): rows whose first tokens these are
+            found = int8_rows.channel_factors(rows, valid)
+            self.factors.copy_(torch.where(first[:, None, None, None], found, self.factors))
+            self.rows_smoothed |= given
+            self.smoothed = bool(self.rows_smoothed.all())  # a prefill's wait, until every row has tokens
+        return self.factors[:, :, None]
 
     def write_range(self, start: int, rows: torch.Tensor) -> None:
         """Store encoded rows (``encode_range``) at slots start .. start+T-1 of every (batch, head)."""
@@ -204,7 +213,7 @@ class KVPool:
             return part
         scales = self.scales[:, :, lo:hi]  # (B, H, n, 2)
         if not on_triton(part.device):
-            rows = int8_rows.decode(part, scales, dtype, self.factors[:, None])
+            rows = int8_rows.decode(part, scales, dtype, self.factors[:, :, None])
             return rows if out is None else out.copy_(rows)
         rows = torch.empty(part.shape, dtype=dtype, device=part.device) if out is None else out  # one kernel
         int8_rows.dequantise(part.transpose(2, 3), scales.transpose(2, 3), self.factors, rows.transpose(2, 3))
