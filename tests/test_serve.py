@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from conftest import invoke
+from conftest import invoke, tiny_model
 from helpers import tiny_setup
 
 openai = pytest.importorskip("openai")
@@ -265,17 +265,22 @@ def test_serve_refuses_bad_command_lines_in_one_line():
     assert result.exit_code == 2 and "--port must be in 1..65535" in result.output
     result = invoke("serve", "--artifact", "missing-artifact-folder/")
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    result = invoke("serve", "--prompt-cache-dir", "prompts/", "--prompt-cache-gb", "0")
+    assert result.exit_code == 2 and "--prompt-cache-dir needs" in result.output
 
 
 def test_sigterm_drains_the_running_request_refuses_new_ones_and_exits(prepared):
     """The real command line in its own process: a stream running when SIGTERM comes ends whole; a request
-    sent while it drains gets a 503 with an error body; then the server exits, without a traceback."""
+    sent while it drains gets a 503 with an error body; the kept prompt is written to its directory; then the
+    server exits, without a traceback."""
     folder, artifact = prepared("llama")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "infinigen", "serve", str(folder), "--artifact", str(artifact)]
-    command += ["--port", str(port), "--served-name", "tiny", "--device", "cpu"]
+    prompts = folder.parent / "prompts"  # where the kept prompts go as it drains
+    command += ["--port", str(port), "--served-name", "tiny", "--device", "cpu", "--prompt-cache-dir", str(prompts)]
+    command += ["--prefill-chunk", "16"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -286,7 +291,8 @@ def test_sigterm_drains_the_running_request_refuses_new_ones_and_exits(prepared)
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             time.sleep(0.2)
-        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0, "stream": True}
+        document = " ".join(PROMPTS * 2)  # over one prefill chunk: kept
+        body = {"model": "tiny", "prompt": document, "max_tokens": 300, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
             lines = reply.iter_lines()
             first = next(lines)
@@ -300,6 +306,8 @@ def test_sigterm_drains_the_running_request_refuses_new_ones_and_exits(prepared)
         # uvicorn re-raises the signal it drained for once it is done (exits as SIGTERM's default would)
         assert process.wait(60) in (0, -signal.SIGTERM)
         assert "Traceback" not in process.stderr.read()
+        (written,) = prompts.glob("*.prompt")
+        assert invoke("inspect", str(written)).exit_code == 0
     finally:
         if process.poll() is None:
             process.kill()
@@ -420,3 +428,48 @@ def test_with_kept_prompts_long_requests_run_alone_and_are_kept_short_ones_batch
     assert all(a.completion_tokens for a in answers)
     assert kept.metrics.batches == 5 and kept.metrics.batched_rows == 7, "three long ones alone, three short together"
     assert len(kept.prompts) == 3
+
+
+def test_kept_prompts_written_at_shutdown_serve_the_next_server_with_the_cold_tokens(tiny_engine, tmp_path):
+    """``save_prompts`` writes what the cache keeps; a server started on that directory keeps those of its model
+    (another model's file is left alone, a damaged one skipped with a line) and answers from them as cold."""
+    model, tokenizer, artifact = tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact
+    settings, document = {"prompt_cache_gb": 1, "block_tokens": 16}, " ".join(PROMPTS * 2)
+    first = Engine(model, tokenizer, artifact, settings, "tiny", prefill_chunk=16, prompt_dir=tmp_path)
+    solo(first, document + " where is it", 6)
+    assert first.save_prompts() == 1 and first.save_prompts() == 0, "each written once"
+    (path,) = tmp_path.glob("*.prompt")
+    (tmp_path / "damaged.prompt").write_bytes(path.read_bytes()[:-9])
+    other = Engine(tiny_model("llama", seed=1), tokenizer, None, settings, "x", prefill_chunk=16, prompt_dir=tmp_path)
+    assert len(other.prompts) == 0 and other.save_prompts() == 0 and path.exists(), "not another model's"
+    second = Engine(model, tokenizer, artifact, settings, "tiny", prefill_chunk=16, prompt_dir=tmp_path)
+    assert len(second.prompts) == 1
+    cold = Engine(model, tokenizer, artifact, settings, "tiny", prefill_chunk=16)
+    asked = document + " who is she"
+    warm = solo(second, asked, 6)
+    assert warm.cached_tokens > 0 and warm.text == solo(cold, asked, 6).text
+    second.prompts.clear()
+    second.save_prompts()
+    assert not path.exists() and (tmp_path / "damaged.prompt").exists(), "what the cache no longer holds goes"
+
+
+def test_streamed_text_detokenised_incrementally_is_the_whole_decode(smollm2):
+    """Each token's piece comes from decoding a few tokens, yet the pieces make the whole answer's decode:
+    accents, a character split over several tokens, a stop string found across pieces."""
+    from infinigen.serve.engine import Tokens
+
+    tokenizer = smollm2.tokenizer
+    text = "Ça coûte 12 €, naïve café 🙂 über straße — ok. The end"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces: list[str] = []
+    tokens = Tokens(tokenizer, (), pieces.append, set(), limit=len(ids) + 1)
+    for token in ids:
+        tokens.put(token)
+    tokens.end()
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) == tokens.text
+    assert len(pieces) > len(ids) // 2 and not any("\ufffd" in piece for piece in pieces)
+    stopped: list[str] = []
+    tokens = Tokens(tokenizer, ("ok.",), stopped.append, set(), limit=len(ids) + 1)
+    for token in ids:
+        tokens.put(token)
+    assert tokens.finish_reason == "stop" and "".join(stopped) == text[: text.index("ok.")]

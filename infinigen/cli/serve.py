@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -31,6 +32,10 @@ def serve(
     max_batch: Annotated[
         int, typer.Option(help="Most requests decoded together (fewer where the memory plan admits fewer).")
     ] = MAX_BATCH,
+    prompt_cache_dir: Annotated[
+        Path | None,
+        typer.Option(help="Read kept prompts from this directory at start; write them there when SIGTERM drains it."),
+    ] = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
 ) -> None:
@@ -38,7 +43,8 @@ def serve(
 
     Examples:\n
       infinigen serve --artifact skewed/\n
-      infinigen serve llama-3-8b --artifact me/llama3-infinigen --gpu-memory-gb 24 --port 8000
+      infinigen serve llama-3-8b --artifact me/llama3-infinigen --gpu-memory-gb 24 --port 8000\n
+      infinigen serve --artifact skewed/ --prompt-cache-dir prompts/   # kept prompts survive a restart
     """
     try:
         from infinigen.serve.app import run
@@ -53,11 +59,13 @@ def serve(
     from infinigen.models import load_model
     from infinigen.runtime import RuntimeConfig
 
-    RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
+    settings = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
+    if prompt_cache_dir is not None and (settings.prompt_cache_gb == 0 or prompt_cache_dir.is_file()):
+        raise InfinigenError("--prompt-cache-dir needs a directory and kept prompts (--prompt-cache-gb above 0)")
     read = read_artifact(artifact)  # a missing or corrupted artifact too
     loaded = load_model(model, device=device, dtype=dtype)
     checked = open_artifact(read, loaded.model) if read is not None else None
     name = served_name or model or "smollm2-135m"
-    engine = Engine(loaded.model, loaded.tokenizer, checked, runtime, name, prefill_chunk, max_batch)
+    engine = Engine(loaded.model, loaded.tokenizer, checked, runtime, name, prefill_chunk, max_batch, prompt_cache_dir)
     err_console.print(f"serving {engine.name} on http://{host}:{port}/v1 ({engine.device}); SIGTERM drains it")
     run(engine, host, port)

@@ -5,8 +5,8 @@ events ending in ``data: [DONE]``), ``GET /health``, ``GET /metrics``. A request
 plan made) before any response starts, so every refusal is a 4xx with the API's error body; decoding runs
 on a worker thread, its text passed to the event loop as it comes. An error inside one request answers it
 with a 5xx and its body (mid-stream: an error event), and the server goes on. ``run`` serves it with uvicorn:
-SIGTERM (or Ctrl-C) drains it: running and waiting requests finish, new ones get a 503, then it exits (a
-second signal: at once).
+SIGTERM (or Ctrl-C) drains it: running and waiting requests finish, new ones get a 503, the kept prompts are
+written to their directory where one is given, then it exits (a second signal: at once).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from infinigen.errors import InfinigenError
 from infinigen.serve.engine import Answer, Engine
 from infinigen.serve.protocol import Ask, RequestError, chunk, error_body, parse, response, usage
 
@@ -94,6 +95,10 @@ class Draining(uvicorn.Server):
     def _exit_when_idle(self, sig, frame) -> None:
         while self.engine.metrics.queued or self.engine.metrics.active:
             time.sleep(0.05)
+        try:  # the kept prompts to their directory, where one is given, before the process goes
+            self.engine.save_prompts()
+        except InfinigenError as exc:
+            log.error("kept prompts not saved: %s", exc)
         super().handle_exit(sig, frame)
 
 

@@ -23,10 +23,12 @@ hold a request's pool beside the kept prompts, the least recently used go first.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
@@ -34,7 +36,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCrite
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_argument, cache_for, decode
-from infinigen.runtime.cache.prompts import PromptCache
+from infinigen.runtime.cache.prompt_file import PromptFileError, load_prompt, read_manifest, save_prompt
+from infinigen.runtime.cache.prompts import PromptCache, model_fingerprint, prompt_name
 from infinigen.runtime.config import KEPT_CHUNK, config_from
 from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.text import left_padded, pad_token_id
@@ -54,7 +57,8 @@ class Answer:
 
 class Tokens:
     """One row's new tokens, as text, to ``on_text`` (the part of the text no stop string can still claim),
-    until an end token, a stop string or ``limit`` tokens; what it ended on."""
+    until an end token, a stop string or ``limit`` tokens; what it ended on. Detokenised incrementally (as
+    vLLM and TGI do): each token decodes a few tokens, not the whole answer again."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...], on_text: Callable[[str], None], ends: set[int], limit: int):
         self.tokenizer, self.stops, self.on_text, self.ends, self.limit = tokenizer, stops, on_text, ends, limit
@@ -62,30 +66,42 @@ class Tokens:
         self.sent = 0  # characters of the text handed on
         self.finish_reason: str | None = None
         self.text = ""
+        self.prefix = self.read = 0  # ids[prefix:read] decoded last time, before the text's end
+        self.held = max((len(s) - 1 for s in stops), default=0)  # a stop string may be starting in these
 
     def put(self, token: int) -> None:
         if self.finish_reason is not None:
             return
         if token in self.ends:
-            self.finish_reason = "stop"
-            self._flush(self.text)
+            self._end("stop")
             return
         self.ids.append(token)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        searched = max(0, len(self.text) - self.held)  # a stop string ending in the new text starts after this
+        self.text += self._decoded()
+        hits = [i for i in (self.text.find(s, searched) for s in self.stops) if i >= 0]
         if hits:
             self.finish_reason, self.text = "stop", self.text[: min(hits)]
             self._flush(self.text)
-            return
-        if len(self.ids) >= self.limit:
-            self.finish_reason = "length"
-            self._flush(self.text)
-            return
-        held = max((len(s) - 1 for s in self.stops), default=0)  # a stop string may be starting
-        safe = self.text[: len(self.text) - held] if held else self.text
-        if safe.endswith("\ufffd"):  # half of a multi-byte character
-            safe = safe[:-1]
-        self._flush(safe)
+        elif len(self.ids) >= self.limit:
+            self._end("length")
+        else:
+            self._flush(self.text[: len(self.text) - self.held])
+
+    def _decoded(self, final: bool = False) -> str:
+        """The text the tokens since ``read`` add: ids[prefix:] decoded less ids[prefix:read] decoded (so that a
+        word's leading space comes out as in a whole decode); none while they end inside a multi-byte character,
+        unless ``final``."""
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+    def _end(self, reason: str | None) -> None:
+        self.text += self._decoded(final=True)
+        self.finish_reason = reason
+        self._flush(self.text)
 
     def _flush(self, text: str) -> None:
         if len(text) > self.sent:
@@ -94,7 +110,7 @@ class Tokens:
 
     def end(self) -> None:
         if self.finish_reason is None:
-            self._flush(self.text)
+            self._end(None)
 
 
 class Rows(StoppingCriteria):
@@ -152,9 +168,11 @@ class Engine:
         name: str,
         prefill_chunk: int = KEPT_CHUNK,
         max_batch: int = MAX_BATCH,
+        prompt_dir: Path | None = None,
     ) -> None:
         """``prefill_chunk``: the prefill's chunk where prompts are kept (they serve whole chunks of it);
-        ``max_batch``: the most requests decoded together."""
+        ``max_batch``: the most requests decoded together; ``prompt_dir``: where kept prompts are read from at
+        start and written to at shutdown (``save_prompts``)."""
         if max_batch < 1:
             raise InfinigenError(f"the largest batch must be at least 1, got {max_batch}")
         self.model, self.tokenizer, self.artifact, self.name = model, tokenizer, artifact, name
@@ -175,6 +193,49 @@ class Engine:
         self.waiting: list[Waiting] = []  # admitted, in arrival order
         self.turn = threading.Lock()  # held by whoever changes ``waiting`` or the worker
         self.worker: threading.Thread | None = None  # decodes while requests wait, then ends
+        self.prompt_dir = prompt_dir
+        self.prompt_files: dict[str, Path] = {}  # this model's prompt files in ``prompt_dir``, by name
+        if prompt_dir is not None:
+            if self.prompts is None:
+                raise InfinigenError("a prompt directory needs kept prompts: a prompt cache above 0 GB")
+            self._read_prompts(prompt_dir)
+
+    def _read_prompts(self, folder: Path) -> None:
+        """Keep the prompt files of ``folder`` made for this model and artifact, oldest first (the least recently
+        used where they exceed the budget); one that cannot be read is left where it is, with a line on stderr."""
+        model = model_fingerprint(self.model)
+        artifact = self.artifact.manifest.tensors_sha256 if self.artifact is not None else None
+        for path in sorted(folder.glob("*.prompt"), key=lambda p: p.stat().st_mtime):
+            try:
+                key = read_manifest(path)[0]["key"]
+                if key.get("model") != model or key.get("artifact") != artifact:
+                    continue  # another model's, or another artifact's: not this server's to use or remove
+                kept = load_prompt(path, self.device)
+            except (PromptFileError, KeyError, TypeError) as exc:
+                print(f"infinigen serve: {path} not kept: {exc}", file=sys.stderr)
+                continue
+            self.prompts.add(kept)
+            self.prompt_files[path.stem] = path
+
+    def save_prompts(self) -> int:
+        """Write every kept prompt to ``prompt_dir`` (each once: one read at start and kept is already there) and
+        remove this model's files of prompts no longer kept: the directory holds what the cache holds. Returns
+        how many were written."""
+        if self.prompt_dir is None or self.prompts is None:
+            return 0
+        self.prompt_dir.mkdir(parents=True, exist_ok=True)
+        written, kept = 0, {}
+        for prompt in list(self.prompts.entries.values()):
+            name = prompt_name(prompt)
+            kept[name] = self.prompt_dir / f"{name}.prompt"
+            if name not in self.prompt_files:
+                save_prompt(prompt, kept[name])
+                written += 1
+        for name, path in self.prompt_files.items():
+            if name not in kept:
+                path.unlink(missing_ok=True)
+        self.prompt_files = kept
+        return written
 
     def prompt_ids(self, ask: Ask) -> list[int]:
         if not ask.chat:

@@ -42,6 +42,13 @@ STATE_FIELDS = (
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its fingerprint, read once
 
 
+def model_fingerprint(model) -> str:
+    """The model's q/k fingerprint (``architectures.fingerprint``), read once per model: a kept prompt's ``model``."""
+    if model not in _fingerprints:
+        _fingerprints[model] = fingerprint(model)
+    return _fingerprints[model]
+
+
 def prompt_key(cache) -> dict:
     """What a cache's kept prompts depend on: the model (its q/k fingerprint, dtype, layers), the artifact
     (its tensors' checksum), the settings of ``STATE_FIELDS`` and the row format as they run, and the prefill
@@ -49,12 +56,10 @@ def prompt_key(cache) -> dict:
     model = cache.model_ref()
     if model is None:
         raise InfinigenError("this cache's model is gone")
-    if model not in _fingerprints:
-        _fingerprints[model] = fingerprint(model)
     artifact = cache.artifact.manifest.tensors_sha256 if cache.artifact is not None else None
     settings = {name: getattr(cache.config, name) for name in STATE_FIELDS}
     return {
-        "model": _fingerprints[model],
+        "model": model_fingerprint(model),
         "dtype": str(cache.weights_dtype).removeprefix("torch."),
         "layers": len(cache.layers),
         "artifact": artifact,
@@ -78,6 +83,13 @@ def block_hashes(key: dict, tokens: torch.Tensor, block_tokens: int) -> list[byt
         digest.update(ids[end - block_tokens : end].tobytes())
         hashes.append(digest.copy().digest())
     return hashes
+
+
+def prompt_name(kept: KeptPrompt) -> str:
+    """A name for ``kept`` that only the same state has (its key and tokens): a prompt file's in a directory."""
+    digest = hashlib.sha256(json.dumps(kept.key, sort_keys=True).encode())
+    digest.update(kept.tokens.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:32]
 
 
 def _locked(method):
