@@ -3,11 +3,12 @@
 
 A random-weight shape on a GPU budget held for the whole process (as ``bench --gpu-memory-gb``), the word
 tokenizer of ``serve_gpu.py``. For each size, ``users`` clients (the ``openai`` client, threads, 127.0.0.1)
-send one streamed greedy request each at the same moment, each its own document of about ``context``
-random tokens (lengths differ by 61 tokens, so batches are padded). Reported per engine: the wall time to
-the last answer, generated tokens/s over it, first-token and inter-token latency p50 / p95; and for each
-user whether the batched engine's tokens equal the one-at-a-time engine's (the tokens it gets alone), and
-where they first differ. Prompts are not kept (``prompt_cache_gb`` 0): this measures batching alone.
+send one streamed greedy request each at the same moment (``--repeat`` times, the engines alternating), each
+its own document of about ``context`` random tokens (lengths differ by 61 tokens, so batches are padded).
+Reported per engine: the wall time to the last answer, generated tokens/s over it, first-token and
+inter-token latency p50 / p95; and for each user whether the batched engine's tokens equal the one-at-a-time
+engine's (the tokens it gets alone), and where they first differ. Prompts are not kept (``prompt_cache_gb``
+0): this measures batching alone.
 
     python benchmarks/serve_load_gpu.py --shape llama-3-8b --gpu-memory-gb 24 --sizes 8x16384 4x32768
 """
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-gb", type=float, default=24)
     parser.add_argument("--sizes", nargs="+", default=["8x16384", "4x32768"], help="USERSxCONTEXT")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each engine at each size, alternating")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     occupier = Occupier(args.gpu_memory_gb, "cuda")
@@ -123,12 +125,15 @@ def main() -> None:
         users, context = map(int, size.split("x"))
         documents = [prompt_of(context - 61 * i, vocab) for i in range(users)]
         runs = {}
-        for name, (_, url) in urls.items():
+        for _, url in urls.values():
             load(url, [prompt_of(1024 - 61 * i, vocab) for i in range(users)], 4)  # warm-up: Triton, cuBLAS
-            runs[name] = load(url, documents, args.new_tokens)
-            batches = engines[name].metrics.batches
-            rows.append({"size": size, "engine": name, "batches_so_far": batches} | summary(runs[name]))
-            print(json.dumps(rows[-1]), flush=True)
+        for repeat in range(args.repeat):  # alternating: the first run of a size also pins its pools' host memory
+            for name, (_, url) in urls.items():
+                runs[name] = load(url, documents, args.new_tokens)
+                batches = engines[name].metrics.batches
+                row = {"size": size, "engine": name, "run": repeat, "batches_so_far": batches} | summary(runs[name])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         alone, batched = (runs[name]["requests"] for name in engines)
         differ = [
             first_difference(a["tokens"], b["tokens"]) if "tokens" in a and "tokens" in b else "error"
@@ -146,7 +151,8 @@ def main() -> None:
             print(f"{r['size']:>9} {r['engine']:>13}: {r['errors']} errors")
             continue
         print(
-            f"{r['size']:>9} {r['engine']:>13}: {r['errors']} errors, wall {r['wall_s']} s, {r['tokens_per_s']} tok/s, "
+            f"{r['size']:>9} {r['engine']:>13} run {r['run']}: {r['errors']} errors, wall {r['wall_s']} s, "
+            f"{r['tokens_per_s']} tok/s, "
             f"first token p50 "
             f"{r['first_token_p50_s']} / p95 {r['first_token_p95_s']} s, inter-token p50 {r['inter_token_p50_ms']} "
             f"/ p95 {r['inter_token_p95_ms']} ms"

@@ -128,18 +128,20 @@ def test_stop_strings_end_the_text_before_them(server, tiny_engine):
 
 
 def test_concurrent_clients_each_get_the_tokens_they_would_get_alone(server, tiny_engine):
+    """Eight clients at once (batched as they wait): each gets the runtime's tokens for its prompt alone."""
+    prompts = [*PROMPTS, *(p + " and the" for p in PROMPTS)]
     answers: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        reply = client(server).completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=6, temperature=0)
+        reply = client(server).completions.create(model="tiny", prompt=prompts[i], max_tokens=6, temperature=0)
         answers[i] = reply.choices[0].text
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
-    assert answers == {i: alone(tiny_engine, p, 6) for i, p in enumerate(PROMPTS)}
+    assert answers == {i: alone(tiny_engine, p, 6) for i, p in enumerate(prompts)}
 
 
 SAID = [{"role": "user", "content": "a"}]
@@ -473,3 +475,57 @@ def test_streamed_text_detokenised_incrementally_is_the_whole_decode(smollm2):
     for token in ids:
         tokens.put(token)
     assert tokens.finish_reason == "stop" and "".join(stopped) == text[: text.index("ok.")]
+
+
+def test_ray_serve_replicas_give_the_answers_one_server_gives(prepared, tokenizer):
+    """``serve --ray``: a local Ray cluster, two replicas each loading the model and artifact once, behind Ray
+    Serve's proxy: the openai client's answers (plain and streamed) are those one engine gives alone; SIGTERM
+    stops it."""
+    pytest.importorskip("ray.serve")
+    folder, artifact = prepared("llama")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "infinigen", "serve", str(folder), "--artifact", str(artifact), "--ray"]
+    command += ["--ray-replicas", "2", "--port", str(port), "--served-name", "tiny", "--device", "cpu"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().startswith("serving on Ray: 2 replicas"), process.stderr.read()[-3000:]
+        one = Engine.load(str(folder), str(artifact), {}, "tiny", device="cpu", max_batch=1)
+        answers: dict[int, tuple] = {}
+
+        def ask(i: int) -> None:
+            reply = client(f"http://127.0.0.1:{port}").completions.create(
+                model="tiny", prompt=PROMPTS[i], max_tokens=6, temperature=0
+            )
+            streamed = client(f"http://127.0.0.1:{port}").completions.create(
+                model="tiny", prompt=PROMPTS[i], max_tokens=6, temperature=0, stream=True
+            )
+            answers[i] = (reply.choices[0].text, "".join(c.choices[0].text for c in streamed if c.choices))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        expected = {i: (solo(one, p, 6).text,) * 2 for i, p in enumerate(PROMPTS)}
+        assert answers == expected
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_a_paged_policy_batches_only_prompts_of_one_length(tiny_engine):
+    """Quest keeps state per page of slots, which padding would shift: waiting prompts of another length than
+    the batch's first run apart, and every answer is the one it gets alone."""
+    model, tokenizer, artifact = tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact
+    settings = {"policy": "quest", "prompt_cache_gb": 0}
+    paged = Engine(model, tokenizer, artifact, settings, "tiny")
+    one = Engine(model, tokenizer, artifact, settings, "tiny", max_batch=1)
+    prompts = [PROMPTS[0], PROMPTS[1] + " and", PROMPTS[3], PROMPTS[2] + " and"]
+    assert [len(tokenizer(p)["input_ids"]) for p in prompts] == [9, 9, 6, 9]
+    answers = _in_threads(paged, [(*_asked(paged, p, 8), lambda text: None) for p in prompts])
+    assert paged.metrics.batches == 3, "the first alone, the next two of 9 tokens together, the 6 apart"
+    assert answers == [solo(one, p, 8) for p in prompts]

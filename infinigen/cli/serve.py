@@ -32,6 +32,15 @@ def serve(
     max_batch: Annotated[
         int, typer.Option(help="Most requests decoded together (fewer where the memory plan admits fewer).")
     ] = MAX_BATCH,
+    ray: Annotated[
+        bool, typer.Option(help="Serve through Ray Serve's proxy, one replica per GPU of a local Ray cluster.")
+    ] = False,
+    ray_address: Annotated[
+        str | None, typer.Option(help="Serve through Ray Serve on this running Ray cluster ('auto': the local one).")
+    ] = None,
+    ray_replicas: Annotated[
+        int, typer.Option(help="With Ray: replicas (0: one per GPU of the cluster, 1 on CPUs).")
+    ] = 0,
     prompt_cache_dir: Annotated[
         Path | None,
         typer.Option(help="Read kept prompts from this directory at start; write them there when SIGTERM drains it."),
@@ -44,7 +53,8 @@ def serve(
     Examples:\n
       infinigen serve --artifact skewed/\n
       infinigen serve llama-3-8b --artifact me/llama3-infinigen --gpu-memory-gb 24 --port 8000\n
-      infinigen serve --artifact skewed/ --prompt-cache-dir prompts/   # kept prompts survive a restart
+      infinigen serve --artifact skewed/ --prompt-cache-dir prompts/   # kept prompts survive a restart\n
+      infinigen serve llama-3-8b --artifact skewed/ --ray-address auto   # a replica per GPU of a Ray cluster
     """
     try:
         from infinigen.serve.app import run
@@ -53,19 +63,24 @@ def serve(
         raise InfinigenError(f"infinigen serve needs the serve extra: pip install 'infinigen[serve]' ({exc})") from None
     if not 0 < port < 65536:
         raise InfinigenError(f"--port must be in 1..65535, got {port}")
-    if prefill_chunk < 1 or max_batch < 1:
-        raise InfinigenError(f"--prefill-chunk and --max-batch must be at least 1, got {prefill_chunk}, {max_batch}")
-    from infinigen.artifacts import open_artifact, read_artifact
-    from infinigen.models import load_model
+    if prefill_chunk < 1 or max_batch < 1 or ray_replicas < 0:
+        raise InfinigenError("--prefill-chunk and --max-batch must be at least 1, --ray-replicas at least 0")
+    from infinigen.artifacts import read_artifact
     from infinigen.runtime import RuntimeConfig
 
     settings = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
-    if prompt_cache_dir is not None and (settings.prompt_cache_gb == 0 or prompt_cache_dir.is_file()):
-        raise InfinigenError("--prompt-cache-dir needs a directory and kept prompts (--prompt-cache-gb above 0)")
-    read = read_artifact(artifact)  # a missing or corrupted artifact too
-    loaded = load_model(model, device=device, dtype=dtype)
-    checked = open_artifact(read, loaded.model) if read is not None else None
+    on_ray = ray or ray_address is not None
+    if prompt_cache_dir is not None and (settings.prompt_cache_gb == 0 or prompt_cache_dir.is_file() or on_ray):
+        raise InfinigenError("--prompt-cache-dir needs a directory, kept prompts (--prompt-cache-gb above 0), no Ray")
     name = served_name or model or "smollm2-135m"
-    engine = Engine(loaded.model, loaded.tokenizer, checked, runtime, name, prefill_chunk, max_batch, prompt_cache_dir)
+    options = {"prefill_chunk": prefill_chunk, "max_batch": max_batch}
+    load = {"model": model, "artifact": artifact, "settings": runtime, "name": name, "device": device, "dtype": dtype}
+    if on_ray:
+        from infinigen.serve.replicas import serve_on_ray
+
+        read_artifact(artifact)  # a missing or corrupted artifact fails here, before any replica starts
+        serve_on_ray(load | options, host, port, ray_address, ray_replicas)
+        return
+    engine = Engine.load(**load, **options, prompt_dir=prompt_cache_dir)
     err_console.print(f"serving {engine.name} on http://{host}:{port}/v1 ({engine.device}); SIGTERM drains it")
     run(engine, host, port)

@@ -40,6 +40,7 @@ from infinigen.runtime.cache.prompt_file import PromptFileError, load_prompt, re
 from infinigen.runtime.cache.prompts import PromptCache, model_fingerprint, prompt_name
 from infinigen.runtime.config import KEPT_CHUNK, config_from
 from infinigen.runtime.memory import plan as memory
+from infinigen.runtime.selection.policies import policy_class
 from infinigen.runtime.text import left_padded, pad_token_id
 from infinigen.serve import MAX_BATCH
 from infinigen.serve.metrics import Metrics
@@ -178,6 +179,7 @@ class Engine:
         self.model, self.tokenizer, self.artifact, self.name = model, tokenizer, artifact, name
         self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.config = config_from(settings)  # refused here if bad
+        self.paged = policy_class(self.config.policy).paged
         self.device = next(model.parameters()).device
         self.metrics = Metrics()
         self.draining = False  # shutting down: running requests finish, new ones are refused
@@ -199,6 +201,20 @@ class Engine:
             if self.prompts is None:
                 raise InfinigenError("a prompt directory needs kept prompts: a prompt cache above 0 GB")
             self._read_prompts(prompt_dir)
+
+    @classmethod
+    def load(
+        cls, model: str | None, artifact: str | None, settings: dict, name: str, device=None, dtype=None, **options
+    ) -> Engine:
+        """The engine of ``model`` and ``artifact`` as the command line names them (``load_model``'s names, a
+        folder or Hub id), the artifact checked against the model; ``options``: the constructor's."""
+        from infinigen.artifacts import open_artifact, read_artifact
+        from infinigen.models import load_model
+
+        read = read_artifact(artifact)  # a missing or corrupted artifact before the model loads
+        loaded = load_model(model, device=device, dtype=dtype)
+        checked = open_artifact(read, loaded.model) if read is not None else None
+        return cls(loaded.model, loaded.tokenizer, checked, settings, name, **options)
 
     def _read_prompts(self, folder: Path) -> None:
         """Keep the prompt files of ``folder`` made for this model and artifact, oldest first (the least recently
@@ -313,8 +329,9 @@ class Engine:
 
     def _take(self) -> tuple[list[Waiting], memory.MemoryPlan] | None:
         """The next batch and its plan (``waiting`` locked): the first request waiting, then those after it that
-        decode alike while the plan admits one more row, up to ``max_batch``. One with a seed runs alone (its own
-        random stream), as do those kept prompts concern (``_batches``). Those whose client left are answered,
+        decode alike while the plan admits one more row, up to ``max_batch`` (with a paged policy, Quest's, of the
+        first one's length only). One with a seed runs alone (its own random stream), as do those kept prompts
+        concern (``_batches``). Those whose client left are answered,
         unrun."""
         for gone in [r for r in self.waiting if r.stopped()]:
             self.waiting.remove(gone)
@@ -329,6 +346,8 @@ class Engine:
                 if len(batch) == self.max_batch:
                     break
                 if not self._batches(other) or other.ask.sampling != batch[0].ask.sampling:
+                    continue
+                if self.paged and len(other.ids) != len(batch[0].ids):  # padding would move its pages
                     continue
                 grown = self._plan([r.ids for r in [*batch, other]], max(r.new_tokens for r in [*batch, other]), False)
                 if grown.fits and memory.fits_host(grown):

@@ -123,6 +123,7 @@ class Policy:
     lookahead: ClassVar[bool] = True  # select one layer ahead (from the previous layer); False: at the layer
     observes_attention: ClassVar[bool] = False  # True: ``attended`` receives the attention mass per slot
     budgeted: ClassVar[bool] = False  # True: fetches the ``budget`` share of the cached tokens
+    paged: ClassVar[bool] = False  # True: keeps state per fixed group of slots, which a row's padding shifts
     # Every policy's ``select`` and ``stored`` (of a decode token) are pure functions of the layer's
     # state whose shapes depend only on the layer's ``capacity`` (no host syncs, no Python state that
     # changes per step): CUDA graphs capture and replay them.

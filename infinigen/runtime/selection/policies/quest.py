@@ -20,6 +20,7 @@ PAGE = 16
 class QuestPolicy(Policy):
     name = "quest"
     budgeted = True
+    paged = True  # a padded row's pages hold other tokens than alone: rows batch only with their own length
     lookahead = False  # query-aware: needs this layer's own query
 
     def __init__(self, config) -> None:
