@@ -331,8 +331,7 @@ class Engine:
         """The next batch and its plan (``waiting`` locked): the first request waiting, then those after it that
         decode alike while the plan admits one more row, up to ``max_batch`` (with a paged policy, Quest's, of the
         first one's length only). One with a seed runs alone (its own random stream), as do those kept prompts
-        concern (``_batches``). Those whose client left are answered,
-        unrun."""
+        concern (``_batches``). Those whose client left are answered, unrun."""
         for gone in [r for r in self.waiting if r.stopped()]:
             self.waiting.remove(gone)
             self.metrics.add("queued", -1)
@@ -381,7 +380,6 @@ class Engine:
         tokens = [Tokens(self.tokenizer, r.ask.stop, timed(i), self.ends, r.new_tokens) for i, r in enumerate(batch)]
         rows = Rows(tokens, [r.stopped for r in batch])
         alone = len(batch) == 1
-        cached = 0
         try:
             cached, peak = self._generate(batch, found, rows, self.prompts if alone else None)
         except Exception as exc:  # the batch's failure: each row again alone where it had no text yet
