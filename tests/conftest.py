@@ -122,6 +122,25 @@ def smollm2_artifact(smollm2):
     return prepare_artifact(smollm2, tokens=1024)
 
 
+@pytest.fixture(scope="module")
+def tiny_engine(tokenizer):
+    """A server engine over a tiny random llama and its artifact, the default settings."""
+    from helpers import tiny_setup
+
+    from infinigen.serve.engine import Engine
+
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    return Engine(model, tokenizer, artifact, {}, "tiny")
+
+
+@pytest.fixture(scope="module")
+def solo_engine(tiny_engine):
+    """The same model, artifact and settings, a request at a time: what a request gets alone in the server."""
+    from infinigen.serve.engine import Engine
+
+    return Engine(tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact, {}, "tiny", max_batch=1)
+
+
 def run_in_interpreter(script: str, **env: str) -> None:
     """Run ``script`` under Triton's CPU interpreter (TRITON_INTERPRET=1; tests/ and the repository
     importable, ``env`` added) and check that it printed ``ok``: how CI, without a GPU, runs the

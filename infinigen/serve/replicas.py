@@ -19,10 +19,10 @@ import time
 from infinigen.errors import InfinigenError
 
 
-def serve_on_ray(load: dict, host: str, port: int, address: str | None, replicas: int) -> int:
+def serve_on_ray(load: dict, host: str, port: int, address: str | None, replicas: int) -> None:
     """Serve the engine ``Engine.load(**load)`` builds, on ``replicas`` replicas (0: one per GPU, 1 on CPUs) of
     the Ray cluster at ``address`` (None: a local one), behind Ray Serve's proxy on ``host:port``, until a
-    signal; returns how many replicas served."""
+    signal."""
     try:
         import ray
         from ray import serve
@@ -59,4 +59,3 @@ def serve_on_ray(load: dict, host: str, port: int, address: str | None, replicas
     finally:
         serve.shutdown()
         ray.shutdown()
-    return count

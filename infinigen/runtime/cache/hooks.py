@@ -108,8 +108,11 @@ class Attachment:
         mask = kwargs.get("attention_mask")
         if inputs is not None:  # before anything of the forward is allocated
             check_forward(cache, inputs.shape[0], inputs.shape[1], mask)
+        # a prefill forward's padding, for 8-bit rows' smoothing: None where there is none (``check_forward`` has
+        # waited for the mask already: this reads it at no further wait)
         two_d = isinstance(mask, torch.Tensor) and mask.dim() == 2 and inputs is not None and inputs.shape[1] > 1
-        cache.forward_valid = mask[:, -inputs.shape[1] :].bool() if two_d else None  # 8-bit rows' smoothing
+        valid = mask[:, -inputs.shape[1] :].bool() if two_d else None
+        cache.forward_valid = valid if valid is not None and not bool(valid.all()) else None
         self.running = cache
         self.own = [config._attn_implementation_internal for config in self.configs]
         for config in self.configs:

@@ -165,13 +165,19 @@ class KVPool:
         row's set from its first tokens among ``rows`` (``valid`` (B, T) bool: which are tokens; None: all)
         if none were yet: a prompt's first chunk, padding and the other rows left out, so that a row's codes
         are those it has alone (where its first chunk holds the same tokens)."""
-        if not self.smoothed:
-            given = torch.ones(rows.shape[0], dtype=torch.bool, device=self.device) if valid is None else valid.any(1)
-            first = given & ~self.rows_smoothed  # (B,): rows whose first tokens these are
-            found = int8_rows.channel_factors(rows, valid)
-            self.factors.copy_(torch.where(first[:, None, None, None], found, self.factors))
-            self.rows_smoothed |= given
-            self.smoothed = bool(self.rows_smoothed.all())  # a prefill's wait, until every row has tokens
+        if self.smoothed:
+            return self.factors[:, :, None]
+        found = int8_rows.channel_factors(rows, valid)
+        if valid is None:  # every row has its first tokens here: no wait for the device
+            self.factors.copy_(torch.where(self.rows_smoothed[:, None, None, None], self.factors, found))
+            self.rows_smoothed.fill_(True)
+            self.smoothed = True
+            return self.factors[:, :, None]
+        given = valid.any(1)
+        first = given & ~self.rows_smoothed  # (B,): rows whose first tokens these are
+        self.factors.copy_(torch.where(first[:, None, None, None], found, self.factors))
+        self.rows_smoothed |= given
+        self.smoothed = bool(self.rows_smoothed.all())  # a padded prefill's wait, until every row has tokens
         return self.factors[:, :, None]
 
     def write_range(self, start: int, rows: torch.Tensor) -> None:
