@@ -73,6 +73,24 @@ def test_stop_strings_end_the_text_before_them(server, tiny_engine):
     assert "".join(c.choices[0].text for c in streamed) == full[: full.find(stop)]
 
 
+def test_ignore_eos_decodes_past_the_end_tokens_to_max_tokens(server, tiny_engine, monkeypatch):
+    """vLLM's ``ignore_eos``, which load tools send for answers of a set length: an end token the model gives
+    ends the answer without it, and with the field the answer goes on to ``max_tokens``."""
+    ids = tiny_engine.tokenizer(PROMPTS[3])["input_ids"]
+    with cache_for(tiny_engine.model, tiny_engine.artifact) as cache:
+        new, _ = generate_ids(tiny_engine.model, tiny_engine.tokenizer, [ids], cache, max_new_tokens=8)
+    tokens = new[0].tolist()
+    end = next(i for i in range(1, 8) if tokens[i] not in tokens[:i])  # a token given first at step ``end``
+    monkeypatch.setattr(tiny_engine, "ends", {tokens[end]})  # an end token
+    asked = dict(model="tiny", prompt=PROMPTS[3], max_tokens=8, temperature=0)
+    ended = client(server).completions.create(**asked)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == end
+    assert ended.choices[0].text == tiny_engine.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+    whole = client(server).completions.create(**asked, extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
+    assert whole.choices[0].text == tiny_engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
 def test_concurrent_clients_each_get_the_tokens_they_would_get_alone(server, tiny_engine):
     """Eight clients at once (batched as they wait): each gets the runtime's tokens for its prompt alone."""
     prompts = [*PROMPTS, *(p + " and the" for p in PROMPTS)]
@@ -99,6 +117,7 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 100000}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "tempreature": 0}, 400, "tempreature"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),

@@ -377,7 +377,10 @@ class Engine:
 
             return on_text
 
-        tokens = [Tokens(self.tokenizer, r.ask.stop, timed(i), self.ends, r.new_tokens) for i, r in enumerate(batch)]
+        tokens = [
+            Tokens(self.tokenizer, r.ask.stop, timed(i), set() if r.ask.ignore_eos else self.ends, r.new_tokens)
+            for i, r in enumerate(batch)
+        ]
         rows = Rows(tokens, [r.stopped for r in batch])
         alone = len(batch) == 1
         try:
@@ -422,6 +425,7 @@ class Engine:
                 decode_streamer=rows,
                 stopping_criteria=StoppingCriteriaList([rows]),
                 pad_token_id=self.pad,
+                eos_token_id=None,  # each row's end tokens are its own (``Tokens``: none with ignore_eos)
                 **kwargs,
                 **{cache_argument(self.model): cache},
             )

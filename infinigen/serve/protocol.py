@@ -29,6 +29,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "user", "n"}
+COMMON |= {"ignore_eos"}  # vLLM's: load tools (guidellm, vLLM's benchmarks) send it to get max_tokens tokens
 # sent by clients with their defaults: refused only where they ask for more than that
 DEFAULTS = {
     "n": 1,
@@ -73,6 +74,7 @@ class Ask:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    ignore_eos: bool = False  # decode past the model's end tokens, to max_tokens
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -108,6 +110,7 @@ def parse(body: Any, chat: bool) -> Ask:
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     common = dict(model=model, max_tokens=max_tokens, sampling=sampling, stop=_stop(body.get("stop")), stream=stream)
     common["include_usage"] = bool(options.get("include_usage"))
+    common["ignore_eos"] = bool(_typed(body, "ignore_eos", bool))
     if chat:
         return Ask(chat=True, messages=_messages(body.get("messages")), **common)
     return Ask(chat=False, prompt=_prompt(body.get("prompt")), **common)
