@@ -14,7 +14,7 @@ latency by turn, inter-token latency, tokens/s, errors; the server's prompt toke
 its batches, and its planned against measured GPU peak. Prints a table; ``--out`` writes JSON (guidellm's
 own report beside it).
 
-    pip install guidellm   # 0.8
+    pip install -e ".[load]"   # guidellm 0.8
     python benchmarks/serve_guidellm_gpu.py --gpu-memory-gb 24 --users 8 --context 32768 --questions 4
 """
 

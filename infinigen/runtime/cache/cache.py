@@ -1,10 +1,8 @@
-"""``InfinigenCache``: a transformers ``Cache`` whose offloaded layers keep KV in CPU memory: its
-layers, the transfers of their rows, the decode steps' bookkeeping, the summary of a run.
-
-A cache connects itself to its model when made (``cache.hooks``: forward hooks, and the
-attention of ``cache.attention`` for the forwards given the cache) and disconnects when
-closed (``close``, or the end of a ``with`` block) or collected: the model is left as it was.
-"""
+"""``InfinigenCache``: a transformers ``Cache`` whose offloaded layers keep KV in CPU memory: its layers, the
+transfers of their rows, the decode steps' bookkeeping, the summary of a run; cut back by ``rollback``. It
+connects itself to its model when made (``cache.hooks``: forward hooks, and the attention of ``cache.attention``
+for the forwards given the cache) and disconnects when closed (``close``, the end of a ``with`` block) or
+collected: the model is left as it was."""
 
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from infinigen.runtime.cache.diagnostics import Diagnostics
 from infinigen.runtime.cache.hooks import attach
 from infinigen.runtime.cache.layers import DenseLayer, Fetched, OffloadedLayer
 from infinigen.runtime.cache.prompts import PromptCache, prompt_key
+from infinigen.runtime.cache.rollback import Croppable
 from infinigen.runtime.cache.row_reuse import RowReuse
 from infinigen.runtime.cache.sliding import SlidingLayer
 from infinigen.runtime.cache.stats import cache_summary
@@ -50,7 +49,7 @@ def _emptied_then_closed(layers: list, streamed: StreamedWeights) -> None:
     streamed.close()
 
 
-class InfinigenCache(RowReuse, Cache):
+class InfinigenCache(RowReuse, Croppable, Cache):
     def __init__(
         self,
         model: PreTrainedModel,
@@ -83,7 +82,7 @@ class InfinigenCache(RowReuse, Cache):
         cuda = self.device.type == "cuda"
         self.stream = side_stream(self.device, "transfer") if cuda else None  # row moves
         self.selection_stream = side_stream(self.device, "selection") if cuda else None
-        self.selected_aside = False  # whether the running forward has queued work on it (``join_selections``)
+        self.selected_aside = False  # the running forward queued work on it (``join_selections``)
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}
         self.host_blocks = HostBlocks(self.device)  # the pools' blocks, made ahead of each prefill
         self.wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # eager steps' waits
