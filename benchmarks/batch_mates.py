@@ -15,9 +15,8 @@ import json
 import time
 
 import torch
+from real_text import smollm2_with_artifact
 
-from infinigen.models import load_model
-from infinigen.prepare import prepare_artifact
 from infinigen.runtime import cache_argument, cache_for, decode
 from infinigen.runtime.text import left_padded, pad_token_id
 
@@ -37,9 +36,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    loaded = load_model(None, device="cpu")
-    model, tokenizer = loaded.model, loaded.tokenizer
-    artifact = prepare_artifact(loaded, tokens=1024)
+    model, tokenizer, artifact = smollm2_with_artifact()
     with open(args.book) as f:
         ids = tokenizer(f.read()[:200_000])["input_ids"]
     prompts = [ids[1000 + 8000 * i : 1000 + 8000 * i + n] for i, n in enumerate(LENGTHS)]

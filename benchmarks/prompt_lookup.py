@@ -21,9 +21,8 @@ import statistics
 import time
 
 import torch
+from real_text import smollm2_with_artifact
 
-from infinigen.models import load_model
-from infinigen.prepare import prepare_artifact
 from infinigen.runtime import cache_argument, cache_for, decode
 
 SETTINGS = {"dense": {"policy": "dense"}, "full": {"policy": "full", "kv_bits": 16}, "infinigen": {}}
@@ -59,9 +58,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
-    loaded = load_model(None, device="cpu")
-    model, tokenizer = loaded.model, loaded.tokenizer
-    artifact = prepare_artifact(loaded, tokens=1024)
+    model, tokenizer, artifact = smollm2_with_artifact()
     with open(args.book) as f:
         passage = tokenizer.decode(tokenizer(f.read()[20_000:200_000])["input_ids"][: args.passage])
     ask = f"Repeat this text exactly, word for word:\n\n{passage}"

@@ -107,6 +107,16 @@ class RuntimeConfig:
     cuda_graphs: bool = option(
         True, "On CUDA, replay decode steps (or each layer's selection) from CUDA graphs.", cli=False
     )
+    # Drafted by the policy, verified by a forward that attends every cached row (as a prefill chunk does): the
+    # tokens are dense decoding's, at the cost of one such forward per cycle instead of one per token (``full``)
+    exact: bool = option(
+        False,
+        "Give the model's own greedy tokens: the policy drafts --draft-tokens tokens, one forward over them that "
+        "attends every cached row verifies them, and the cache is cut back past the first one it corrects "
+        "(16-bit rows; greedy decoding).",
+        applies_to=("offloads",),
+    )
+    draft_tokens: int = option(4, "With --exact: tokens drafted before each verification.", applies_to=("offloads",))
     # "input" reads the residual stream entering layer i-1 (the paper; its transfer overlaps all of
     # layer i-1); "attention" the residual after layer i-1's attention (closer to layer i's input;
     # the transfer overlaps only layer i-1's MLP).
@@ -255,6 +265,10 @@ class RuntimeConfig:
             raise InfinigenError(f"resident_extra must be in [0, 8], got {self.resident_extra}")
         if self.resident_extra and self.reuse_rows == "off":
             raise InfinigenError("resident_extra keeps rows of earlier steps: it needs row reuse (auto or on)")
+        if self.draft_tokens < 1:
+            raise InfinigenError(f"draft_tokens must be at least 1, got {self.draft_tokens}")
+        if self.exact and self.kv_bits == 8:
+            raise InfinigenError("exact decoding verifies against the model's own KV: it needs kv_bits 16, not 8")
         if self.reuse_rows == "on" and self.cpu_pool_gb is not None:
             raise InfinigenError("reuse_rows needs an unlimited CPU pool (an evicted slot would leave a stale row)")
 

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from infinigen.errors import InfinigenError
+from infinigen.runtime import exact
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.cache.graphs import capture
 from infinigen.runtime.cache.kept import keep, restore
@@ -144,6 +145,8 @@ def decode(
         streamer.put(input_ids.cpu())  # as generate does for its own loop
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
+    if cache.config.exact:
+        exact.check(model, cache, generation_config)
     cache.expect(generation_config.max_length)  # the prompt and every new token (generate has set it)
     # the whole run planned before the prefill: its chunk the plan's where none or a larger one is asked (with
     # kept prompts, which serve whole chunks, ``KeptPrompt.usable``, the one its plan has, else ``KEPT_CHUNK``)
@@ -165,24 +168,40 @@ def decode(
         cache.prompts.add(keep(cache, input_ids[0]))
     step = StepGraph(model, cache)
     position = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)  # (B, 1) of the last prompt token
-    pad = generation_config.pad_token_id
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    while True:
-        scores = logits_processor(input_ids, logits.float())
-        if generation_config.do_sample:
-            tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1)[:, 0]
-        else:
-            tokens = scores.argmax(dim=-1)
-        if pad is not None:
-            tokens = torch.where(unfinished, tokens, pad)
-        input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
-        if streamer is not None:
-            streamer.put(tokens.cpu())
-        unfinished &= ~stopping_criteria(input_ids, scores)
-        if not bool(unfinished.any()):
-            break
+    emit = Emitter(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+    token = emit(logits)
+    if cache.config.exact and token is not None:  # drafted by the policy, verified over every row
+        mask = torch.cat([mask, torch.ones_like(token)[:, None]], dim=1)  # the prompt's and the token's
+        exact.cycles(model, cache, cache_argument(model), step, emit, mask, position, token)
+    while not cache.config.exact and token is not None:
         position = position + 1
-        logits = step(tokens[:, None], position)
+        token = emit(step(token[:, None], position))
     if streamer is not None:
         streamer.end()
-    return input_ids
+    return emit.input_ids
+
+
+class Emitter:
+    """The decoding loop's work for each new token: ``emit(logits)`` (B, vocab) processes the scores, samples or
+    takes the best, pads finished rows, appends, streams and asks the stopping criteria; the token (B,), or None
+    once every row is done. ``live`` (B,): the rows unfinished before the latest token."""
+
+    def __init__(self, input_ids, logits_processor, stopping_criteria, generation_config, streamer) -> None:
+        self.input_ids, self.processor, self.criteria = input_ids, logits_processor, stopping_criteria
+        self.streamer = streamer
+        self.sample, self.pad = generation_config.do_sample, generation_config.pad_token_id
+        self.max_length = generation_config.max_length
+        self.unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        self.live = self.unfinished
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor | None:
+        scores = self.processor(self.input_ids, logits.float())
+        tokens = torch.multinomial(scores.softmax(dim=-1), num_samples=1)[:, 0] if self.sample else scores.argmax(-1)
+        if self.pad is not None:
+            tokens = torch.where(self.unfinished, tokens, self.pad)
+        self.input_ids = torch.cat([self.input_ids, tokens[:, None]], dim=-1)
+        if self.streamer is not None:
+            self.streamer.put(tokens.cpu())
+        self.live = self.unfinished.clone()
+        self.unfinished &= ~self.criteria(self.input_ids, scores)
+        return tokens if bool(self.unfinished.any()) else None

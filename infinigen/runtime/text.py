@@ -211,4 +211,4 @@ def run_stats(cache: InfinigenCache, timer: TokenTimer, batch: int, prompt_len: 
         if model.device.type == "cuda"
         else None,
         "per_layer": summary["per_layer"],
-    }
+    } | {k: v for k, v in summary.items() if k.startswith("exact_")}  # drafted, accepted, verifications

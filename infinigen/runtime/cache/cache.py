@@ -68,6 +68,7 @@ class InfinigenCache(RowReuse, Croppable, Cache):
         # kept prompts this cache's run may start from and adds its own to (``infinigen.decode``: ``cache.prompts``)
         self.prompts = prompts
         self.reused_tokens = 0  # the prompt tokens a kept prompt gave it (``kept.restore``)
+        self.verified = None  # exact decoding's counts (``exact.Verified``)
         # the heads this rank computes (all in one process); refuses KV heads the ranks do not divide
         self.shard = head_shard(decoder_layers(model)[0].self_attn, self.spec.head_dim)
         super().__init__(layers=[])

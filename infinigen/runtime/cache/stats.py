@@ -193,4 +193,5 @@ def cache_summary(cache) -> dict:
         "resident_bits": cache.resident_bits if cache.reuse is not None and cache.reuse.on else None,
         "memory_plan": planning.summary(cache),  # the plan it ran under, with the prefill chunk taken
     }
-    return head | summary | {"replayed_steps": cache.replayed_steps, "cached_tokens": cache.reused_tokens}
+    verified = {} if cache.verified is None else {f"exact_{k}": v for k, v in cache.verified.summary().items()}
+    return head | summary | {"replayed_steps": cache.replayed_steps, "cached_tokens": cache.reused_tokens} | verified

@@ -44,9 +44,11 @@ def supported_policy(config: RuntimeConfig, has_artifact: bool) -> type[Policy]:
 
 def row_bits(config: RuntimeConfig) -> int:
     """Bits per K/V value of the rows ``config``'s policy keeps in the CPU pool and moves: ``kv_bits`` as
-    given, else 8 for policies that offload plain rows, 16 for the others."""
+    given, else 8 for policies that offload plain rows, 16 for the others and for exact decoding."""
     if config.kv_bits is not None:
         return config.kv_bits
+    if config.exact:
+        return 16
     policy = policy_class(config.policy)
     return 8 if policy.offloads and policy.plain_rows else 16
 

@@ -1,0 +1,79 @@
+"""Exact decoding on real text (issue: exact answers; CPU): how many of the policy's drafts the verification
+accepts, and whether the tokens are dense decoding's.
+
+SmolLM2-135M (the default model, its artifact prepared here), a PG-19 passage of ``--context`` tokens,
+``--new-tokens`` greedy tokens: dense decoding's (``policy=dense``), then ``--exact`` with the defaults at each
+``--budgets`` and ``--draft-tokens``, and the policy alone (not exact) at each budget for comparison. Reported per
+run: the first token that differs from dense decoding's (-: none), drafted and accepted tokens, acceptance,
+verifications, tokens per verification ((accepted + verifications) / verifications: what a cycle yields), and
+decode tok/s (the CPU's: not the GPU's cycle time). ``--out`` writes JSON.
+
+    python benchmarks/exact_acceptance.py --context 2048 --new-tokens 128 --out results/exact-acceptance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from real_text import smollm2_with_artifact
+
+from infinigen.runtime import cache_argument, cache_for, decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--book", default="../shared/data/pg19/10146.txt")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.05])
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model, tokenizer, artifact = smollm2_with_artifact()
+    with open(args.book) as f:
+        ids = torch.tensor([tokenizer(f.read()[:400_000])["input_ids"][5000 : 5000 + args.context]])
+
+    def run(**settings) -> dict:
+        start = time.perf_counter()
+        with cache_for(model, artifact, **settings) as cache, torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,  # no end token: every run as long
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+                custom_generate=decode,
+                **{cache_argument(model): cache},
+            )
+            counts = cache.verified.summary() if cache.verified is not None else {}
+        return {"tokens": out[0, ids.shape[1] :].tolist(), "seconds": time.perf_counter() - start, **counts}
+
+    dense = run(policy="dense")
+    rows = []
+    for budget in args.budgets:
+        for draft in [None, *args.draft_tokens]:  # None: the policy alone
+            settings = {"budget": budget} | ({"exact": True, "draft_tokens": draft} if draft else {})
+            result = run(**settings)
+            pairs = enumerate(zip(result["tokens"], dense["tokens"], strict=True))
+            differs = next((i for i, (a, b) in pairs if a != b), None)
+            row = {"budget": budget, "draft_tokens": draft, "first_difference": differs, "seconds": result["seconds"]}
+            if draft:
+                per = (result["accepted"] + result["verifications"]) / result["verifications"]
+                row |= {k: result[k] for k in ("drafted", "accepted", "acceptance", "verifications")}
+                row["tokens_per_verification"] = round(per, 3)
+            rows.append(row)
+            shown = "-" if differs is None else differs
+            extra = f", acceptance {row['acceptance']}, {row['tokens_per_verification']} a cycle" if draft else ""
+            print(f"budget {budget} draft {draft or 'off'}: first difference {shown}{extra}", flush=True)
+    if args.out:
+        meta = vars(args) | {"prompt_tokens": ids.shape[1], "dense_seconds": dense["seconds"]}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

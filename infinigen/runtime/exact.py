@@ -1,0 +1,90 @@
+"""Exact answers (``RuntimeConfig.exact``): the policy drafts, the model verifies, the tokens are dense decoding's.
+
+A cycle drafts ``draft_tokens`` tokens with the policy's decode steps (CUDA graphs, a share of the rows moved),
+cuts their KV off again (``rollback``: it was computed from selected rows), and runs one forward over the last
+token and the drafts that attends every cached row, as a prefill chunk does: its logits are the model's own at
+each of those positions, and it writes their exact KV. The longest run of drafts equal to its greedy tokens is
+accepted with the token after it (the verification's own: a correction, or one more where all were accepted),
+and the cache is cut back past them. In a batch every row advances by the smallest run any unfinished row
+accepted, plus one: each row's tokens are its verification's, so every row is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinigen.architectures import sliding_windows
+from infinigen.errors import InfinigenError
+from infinigen.runtime.cache import InfinigenCache
+from infinigen.runtime.cache.rollback import refusal
+
+
+def check(model, cache: InfinigenCache, generation_config) -> None:
+    """Refuse, in one line, a run whose tokens exact decoding could not make dense decoding's."""
+    config, policy = cache.config, cache.policy_type
+    if generation_config.do_sample:
+        raise InfinigenError("exact decoding is greedy: leave sampling off (do_sample=False, temperature 0)")
+    if policy.codec is not None:
+        raise InfinigenError(f"exact decoding needs the model's own KV: the {policy.name} policy's rows are lossy")
+    if config.cpu_pool_gb is not None:
+        raise InfinigenError("exact decoding cuts drafts off the cache: it needs an unlimited CPU pool (--cpu-pool-gb)")
+    windows = [w for w in sliding_windows(model.config) if w is not None]
+    if windows and min(windows) < generation_config.max_length:
+        raise InfinigenError(
+            f"exact decoding cuts drafts off the cache: a sliding window of {min(windows)} tokens cannot be cut back "
+            f"once {generation_config.max_length} tokens have passed it"
+        )
+    reason = refusal(cache)
+    if reason is not None:
+        raise InfinigenError(f"exact decoding cuts drafts off the cache, which cannot be: {reason}")
+
+
+class Verified:
+    """The counts of a run's cycles: tokens drafted, drafts accepted, verifying forwards."""
+
+    def __init__(self) -> None:
+        self.drafted = self.accepted = self.verifications = 0
+
+    def summary(self) -> dict:
+        rate = round(self.accepted / self.drafted, 4) if self.drafted else None
+        return {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications} | {
+            "acceptance": rate
+        }
+
+
+def cycles(model, cache, argument: str, step, emit, mask, position: torch.Tensor, token: torch.Tensor) -> None:
+    """Draft-and-verify cycles until ``emit`` (``generation.Emitter``: each new token from its logits) says every
+    row is done; ``argument``: the keyword ``model`` takes the cache under, ``step``: its ``StepGraph``. ``token``
+    (B,): the latest token, not yet cached, to go at ``position`` (B, 1) + 1; ``mask`` (B, T): the attention mask
+    of the tokens so far, which end with ``token``."""
+    verified = cache.verified = Verified()
+    drafts_per_cycle = cache.config.draft_tokens
+    while True:
+        # at least one draft: a forward of one token would be a decode step, over the policy's selection
+        k = max(1, min(drafts_per_cycle, emit.max_length - emit.input_ids.shape[1] - 1))
+        drafts, drafted, at = [], token, position
+        for _ in range(k):
+            at = at + 1
+            drafted = step(drafted[:, None], at).argmax(-1)
+            drafts.append(drafted)
+        cache.crop(-k)  # their KV came from selected rows: the verification writes the model's own
+        candidates = torch.stack([token, *drafts], dim=1)  # (B, k + 1)
+        ones = torch.ones_like(candidates)
+        positions = position + 1 + torch.arange(k + 1, device=candidates.device)  # (B, k + 1)
+        inputs = {"attention_mask": torch.cat([mask, ones[:, 1:]], dim=1), "position_ids": positions}
+        logits = model(candidates, **{argument: cache}, use_cache=True, logits_to_keep=k + 1, **inputs).logits
+        verified.verifications += 1
+        verified.drafted += k
+        # each position's token in order, while the drafts agree with them (the first that does not is the last)
+        accepted = 0
+        for j in range(k + 1):
+            token = emit(logits[:, j])
+            if token is None:
+                return
+            if j == k or not bool(((token == drafts[j]) | ~emit.live).all()):  # finished rows agree with anything
+                break
+            accepted += 1
+        verified.accepted += accepted
+        cache.crop(-(k - accepted))  # the last token and the accepted drafts stay, with their verified KV
+        position = position + 1 + accepted
+        mask = torch.cat([mask, ones[:, : accepted + 1]], dim=1)
