@@ -121,3 +121,10 @@ def test_the_command_line_decodes_exactly_and_reports_the_drafts(prepared):
     refused = invoke(*common, "--exact", "--temperature", "0.7")
     said = [line for line in refused.output.splitlines() if line.startswith("error")]
     assert refused.exit_code == 2 and len(said) == 1 and "greedy" in said[0] and "Traceback" not in refused.output
+
+
+@pytest.mark.parametrize("command", [("bench",), ("eval", "ppl"), ("eval", "tasks")])
+def test_commands_that_do_not_decode_offer_no_exact_option(command):
+    """bench times single decode steps and eval ppl / tasks score teacher-forced: --exact would change nothing."""
+    refused = invoke(*command, "--exact")
+    assert refused.exit_code == 2 and "No such option: --exact" in refused.output

@@ -11,7 +11,7 @@ import typer
 
 from infinigen.bench import HF_BASELINES
 from infinigen.cli.app import command
-from infinigen.cli.options import DeviceOpt, JsonOpt, parse_list, runtime_options
+from infinigen.cli.options import DECODE_ONLY, DeviceOpt, JsonOpt, parse_list, runtime_options
 from infinigen.cli.render import note, print_pairs, print_rows, printed_json, progress, stream_row
 from infinigen.errors import InfinigenError
 
@@ -87,7 +87,7 @@ PlotOpt = Annotated[Path | None, typer.Option(help="Write a PNG: tokens/s vs con
 
 
 @command
-@runtime_options(sweep=True, defaults={"policy": "dense,full,infinigen"}, more_policies=HF_BASELINES)
+@runtime_options(sweep=True, defaults={"policy": "dense,full,infinigen"}, more_policies=HF_BASELINES, omits=DECODE_ONLY)
 def bench(
     runtime: dict,
     shape: ShapeOpt = "llama-3-8b",

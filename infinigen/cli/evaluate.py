@@ -13,6 +13,7 @@ import typer
 
 from infinigen.cli.app import command, eval_app
 from infinigen.cli.options import (
+    DECODE_ONLY,
     ArtifactOpt,
     DeviceOpt,
     DtypeOpt,
@@ -60,7 +61,7 @@ def _load(
 
 
 @on_eval
-@runtime_options(sweep=True, defaults=COMPARED)
+@runtime_options(sweep=True, defaults=COMPARED, omits=DECODE_ONLY)
 def ppl(
     runtime: dict,
     text: TextOpt,
@@ -172,7 +173,7 @@ def _setting_label(settings: dict) -> str:
 
 
 @on_eval
-@runtime_options(sweep=True, defaults=COMPARED)
+@runtime_options(sweep=True, defaults=COMPARED, omits=DECODE_ONLY)
 def tasks(
     runtime: dict,
     model: ModelArg = None,

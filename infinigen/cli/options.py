@@ -83,8 +83,15 @@ def _shown(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
-def runtime_options(*, sweep: bool, defaults: dict[str, str] | None = None, more_policies: tuple = ()) -> Callable:
-    """Give a command one option per ``RuntimeConfig`` field (``cli_fields``), built from the field.
+# fields of decoding by ``infinigen.decode`` (``exact``): no option of commands that time single steps or score
+# teacher-forced (``bench``, ``eval ppl``, ``eval tasks``), where they would change nothing
+DECODE_ONLY = ("exact", "draft_tokens")
+
+
+def runtime_options(
+    *, sweep: bool, defaults: dict[str, str] | None = None, more_policies: tuple = (), omits: tuple[str, ...] = ()
+) -> Callable:
+    """Give a command one option per ``RuntimeConfig`` field (``cli_fields``, less ``omits``), built from the field.
 
     The command receives them as one argument, ``runtime``: the settings (``sweep`` False: field ->
     value), or, with ``sweep``, each field's values (field -> list; a comma-separated option is a
@@ -92,16 +99,17 @@ def runtime_options(*, sweep: bool, defaults: dict[str, str] | None = None, more
     ``more_policies``: names beside the runtime's policies that the command runs (transformers' caches).
     """
     defaults = defaults or {}
+    offered = [f for f in cli_fields() if f.name not in omits]
 
     def decorate(fn: Callable) -> Callable:
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "runtime"]
-        added = [_parameter(f, sweep, defaults.get(f.name)) for f in cli_fields()]
+        added = [_parameter(f, sweep, defaults.get(f.name)) for f in offered]
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            given = {f.name: kwargs.pop(f.name) for f in cli_fields()}
+            given = {f.name: kwargs.pop(f.name) for f in offered}
             if sweep:
-                names = {f.name: _PLURALS.get(f.name, option_name(f.name)) for f in cli_fields()}
+                names = {f.name: _PLURALS.get(f.name, option_name(f.name)) for f in offered}
                 more = {"policy": more_policies}
                 given = {
                     name: [parse_value(name, part, names[name], more.get(name, ())) for part in text.split(",")]

@@ -27,7 +27,7 @@ def check(model, cache: InfinigenCache, generation_config) -> None:
     if policy.codec is not None:
         raise InfinigenError(f"exact decoding needs the model's own KV: the {policy.name} policy's rows are lossy")
     if config.cpu_pool_gb is not None:
-        raise InfinigenError("exact decoding cuts drafts off the cache: it needs an unlimited CPU pool (--cpu-pool-gb)")
+        raise InfinigenError("exact decoding cuts drafts off: it needs an unlimited CPU pool (leave --cpu-pool-gb out)")
     windows = [w for w in sliding_windows(model.config) if w is not None]
     if windows and min(windows) < generation_config.max_length:
         raise InfinigenError(
@@ -46,10 +46,8 @@ class Verified:
         self.drafted = self.accepted = self.verifications = 0
 
     def summary(self) -> dict:
-        rate = round(self.accepted / self.drafted, 4) if self.drafted else None
-        return {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications} | {
-            "acceptance": rate
-        }
+        counts = {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications}
+        return counts | {"acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
 
 
 def cycles(model, cache, argument: str, step, emit, mask, position: torch.Tensor, token: torch.Tensor) -> None:
