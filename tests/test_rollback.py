@@ -187,3 +187,16 @@ def test_the_cuda_refusal(tokenizer):
         model.generate(
             **inputs, max_new_tokens=4, do_sample=False, pad_token_id=1, custom_generate=infinigen.decode, **kwargs
         )
+
+
+def test_a_cut_given_as_a_tensor_is_the_same_cut(tokenizer):
+    """transformers 5.17's assisted decoding passes its cuts as 0-d tensors."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    inputs = prompts("cpu")
+    caches = [cache_for(model, artifact, policy="full", **EXACT) for _ in range(2)]
+    for cache in caches:
+        stepped(model, cache, inputs, [inputs["input_ids"][:, -1:]] * 3)
+    caches[0].crop(-2)
+    caches[1].crop(torch.tensor(-2))
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == inputs["input_ids"].shape[1] + 1
+    assert isinstance(caches[1].get_seq_length(), int)

@@ -18,7 +18,7 @@ from infinigen.runtime.cache.sliding import SlidingLayer
 
 def refusal(cache) -> str | None:
     """Why ``cache`` cannot be cut back as it now stands, or None."""
-    if cache.device.type == "cuda":  # its tests fail there: a multi-token step after a cut, transformers 5.17's cuts
+    if cache.device.type == "cuda":  # until its CUDA tests pass: one, a cut across a pool block's growth, failed
         return "cutting a cache back is done on the CPU only so far, not on CUDA"
     policy = cache.policy_type
     if policy.observes_attention:
@@ -36,7 +36,7 @@ def refusal(cache) -> str | None:
 def crop(cache, tokens: int) -> None:
     """Remove the last ``-tokens`` tokens (transformers' convention), or keep the first ``tokens`` (its
     convention before 5.2); 0 removes nothing."""
-    held = cache.get_seq_length()
+    held, tokens = cache.get_seq_length(), int(tokens)  # transformers 5.17 passes a 0-d tensor
     length = held + tokens if tokens < 0 else (tokens or held)
     if length >= held:
         return
