@@ -202,6 +202,6 @@ class Emitter:
         self.input_ids = torch.cat([self.input_ids, tokens[:, None]], dim=-1)
         if self.streamer is not None:
             self.streamer.put(tokens.cpu())
-        self.live = self.unfinished.clone()
-        self.unfinished &= ~self.criteria(self.input_ids, scores)
+        self.live = self.unfinished  # replaced, not changed in place, below: no copy needed
+        self.unfinished = self.unfinished & ~self.criteria(self.input_ids, scores)
         return tokens if bool(self.unfinished.any()) else None
