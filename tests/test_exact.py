@@ -16,8 +16,6 @@ import infinigen
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_argument, cache_for
 
-CPU_ONLY = "a cut is refused on CUDA so far (rollback.refusal): test_rollback.py's test_the_cuda_refusal"
-
 
 def batch(device, lengths=(9, 23, 16), seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
@@ -40,8 +38,6 @@ def exact_tokens(model, artifact, inputs, new_tokens: int, **settings) -> tuple[
 @pytest.mark.parametrize("lengths", [(17,), (9, 23, 16)], ids=["batch 1", "padded batch"])
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gemma3"])
 def test_exact_decoding_gives_dense_decodings_tokens(tokenizer, arch, lengths, device):
-    if device == "cuda":
-        pytest.skip(CPU_ONLY)
     model, artifact = tiny_setup(tokenizer, arch, device)
     inputs = batch(device, lengths)
     expected = greedy(model, inputs, DynamicCache(), new_tokens=64)
@@ -53,8 +49,6 @@ def test_exact_decoding_gives_dense_decodings_tokens(tokenizer, arch, lengths, d
 @pytest.mark.parametrize("policy", ["dense", "full", "oracle", "infinigen"])
 @pytest.mark.parametrize("draft_tokens", [1, 3, 8])
 def test_every_policy_and_draft_length_is_exact(tokenizer, policy, draft_tokens, device):
-    if device == "cuda":
-        pytest.skip(CPU_ONLY)
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = batch(device, seed=4)
     expected = greedy(model, inputs, DynamicCache(), new_tokens=40)
@@ -76,8 +70,6 @@ def test_every_policy_and_draft_length_is_exact(tokenizer, policy, draft_tokens,
     ],
 )
 def test_what_exact_decoding_cannot_make_exact_is_refused_in_one_line(tokenizer, settings, generate, said, device):
-    if device == "cuda":
-        pytest.skip(CPU_ONLY)
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = batch(device)
     with cache_for(model, artifact, exact=True, **settings) as cache, pytest.raises(InfinigenError, match=said) as e:
@@ -96,8 +88,6 @@ def test_what_exact_decoding_cannot_make_exact_is_refused_in_one_line(tokenizer,
 
 
 def test_a_sliding_window_the_run_passes_is_refused(tokenizer, device):
-    if device == "cuda":
-        pytest.skip(CPU_ONLY)
     model, artifact = tiny_setup(tokenizer, "gemma3", device)
     inputs = batch(device)
     with cache_for(model, artifact, exact=True) as cache, pytest.raises(InfinigenError, match="sliding window"):
@@ -118,6 +108,7 @@ def test_the_command_line_decodes_exactly_and_reports_the_drafts(prepared):
     assert out.exit_code == 0, out.output
     stats = json.loads(out.output[out.output.index("{") :])["stats"]
     assert stats["exact_verifications"] > 0 and 0 <= stats["exact_accepted"] <= stats["exact_drafted"]
+    assert 0 < stats["exact_verification_share"] < 1 and stats["exact_verify_ms"] > 0 and stats["exact_draft_ms"] > 0
     refused = invoke(*common, "--exact", "--temperature", "0.7")
     said = [line for line in refused.output.splitlines() if line.startswith("error")]
     assert refused.exit_code == 2 and len(said) == 1 and "greedy" in said[0] and "Traceback" not in refused.output

@@ -86,6 +86,7 @@ def test_a_later_chunk_attends_to_blocks_fetched_during_the_layer_before(
         return blocks, region
 
     fetch_ahead = recorded(fetched, attention.fetch_ahead)
+    monkeypatch.setattr(attention, "FEW_QUERIES", 0)  # the blocks as staged ones are (spans: the test below)
     monkeypatch.setattr(attention, "fetch_ahead", into_regions)
     monkeypatch.setattr(attention, "_staged", recorded(staged, attention._staged))
 
@@ -137,6 +138,7 @@ def test_blocks_fetched_ahead_keep_the_scales_they_were_queued_with(tokenizer, m
         )
         return torch.stack(out.logits)
 
+    monkeypatch.setattr(attention, "FEW_QUERIES", 0)  # each block attended apart, as staged blocks are
     behind = generated(False)
     monkeypatch.setattr(attention, "fetch_ahead", held_back)
     assert torch.equal(generated(True), behind), "the same logits"
@@ -146,6 +148,7 @@ def test_later_chunks_mask_only_the_blocks_that_hold_padding(tokenizer, device, 
     """A left-padded batch (prompts of 13 and 23 tokens: 10 padding keys) in 8-token chunks, read back 5
     rows a block: the blocks before the padding's end carry the mask, the rest none (the flash kernel on
     CUDA), with the same tokens as dense."""
+    from infinigen.runtime.cache import attention
     from infinigen.runtime.kernels import chunk_attention
 
     model, artifact = tiny_setup(tokenizer, "llama", device)
@@ -160,6 +163,7 @@ def test_later_chunks_mask_only_the_blocks_that_hold_padding(tokenizer, device, 
         return block_attention(query, keys, values, allowed, scale, causal)
 
     monkeypatch.setattr(chunk_attention, "block_attention", recorded)
+    monkeypatch.setattr(attention, "FEW_QUERIES", 0)  # every block apart (spans: the test below)
     cache = cache_for(model, artifact, policy="full", prefill_block_tokens=5, **EXACT)
     out = model.generate(
         **inputs,
@@ -176,6 +180,48 @@ def test_later_chunks_mask_only_the_blocks_that_hold_padding(tokenizer, device, 
     second = [(5, True, False), (3, True, False), (8, True, True)]
     third = [(5, True, False), (5, True, False), (5, False, False), (1, False, False), (7, False, True)]
     assert masked == second * layers + third * layers
+
+
+@pytest.mark.parametrize("policy", ["full", "infinigen"])
+def test_a_forward_of_a_few_tokens_attends_the_keys_after_the_padding_in_one_span(
+    tokenizer, policy, device, monkeypatch
+):
+    """Exact decoding's verification, and any chunk of at most ``FEW_QUERIES`` tokens: where a layer's earlier
+    keys lie on the GPU together (a dense layer's buffer, blocks fetched ahead), those after the padding are
+    attended at once; staged blocks are attended as they come. Logits as with every block apart, to rounding."""
+    from infinigen.runtime.cache import attention
+    from infinigen.runtime.kernels import chunk_attention
+
+    model, artifact = tiny_setup(tokenizer, "llama", device)
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(4)).tolist() for n in (13, 23)]
+    inputs = padded_batch(prompts, pad=1, device=device)
+    block_attention, blocks = chunk_attention.block_attention, []
+
+    def recorded(query, keys, values, allowed, scale, causal=False):
+        blocks.append((keys.shape[2], allowed is not None, causal))
+        return block_attention(query, keys, values, allowed, scale, causal)
+
+    monkeypatch.setattr(chunk_attention, "block_attention", recorded)
+
+    def generated() -> tuple[torch.Tensor, list[str], list]:
+        blocks.clear()
+        cache = cache_for(model, artifact, policy=policy, prefill_block_tokens=5, min_tokens=2, **EXACT)
+        kwargs = {cache_argument(model): cache, "prefill_chunk_size": 8, "pad_token_id": 1}
+        out = model.generate(
+            **inputs, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs
+        )
+        kinds = ["staged" if i == cache.config.dense_layers else "together" for i in range(len(cache.layers))]
+        return torch.stack(out.logits), kinds, list(blocks)
+
+    logits, kinds, spans = generated()
+    monkeypatch.setattr(attention, "FEW_QUERIES", 0)
+    apart, _, _ = generated()
+    assert torch.allclose(logits, apart, atol=1e-5, rtol=0)
+    # chunk 3 (past 16, padding to 10): 0-5, 5-10 masked, then 10-16 at once where together
+    third = {"staged": [(5, True, False), (5, True, False), (5, False, False), (1, False, False), (7, False, True)]}
+    third["together"] = [(5, True, False), (5, True, False), (6, False, False), (7, False, True)]
+    second = [(5, True, False), (3, True, False), (8, True, True)]  # chunk 2 (past 8): masked throughout
+    assert spans == second * len(kinds) + [block for kind in kinds for block in third[kind]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

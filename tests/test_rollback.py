@@ -16,8 +16,6 @@ from infinigen.runtime.generation import prefill
 
 LENGTHS = (9, 23, 16)  # a padded batch
 
-CPU_ONLY = "a cut is refused on CUDA so far (rollback.refusal): test_rollback.py's test_the_cuda_refusal"
-
 
 def prompts(device, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
@@ -78,8 +76,6 @@ OFF = {"budget": 0.3, "reuse_rows": "off"}
 def test_a_cut_cache_decodes_as_one_that_never_held_the_cut_tokens(tokenizer, policy, settings, device):
     """Except where rows of earlier steps are attended (``resident_extra`` > 0, by default where rows are reused):
     which ones are depends on what the recent steps selected, the cut ones too, as after any step."""
-    if device == "cuda":
-        pytest.skip(CPU_ONLY)
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = prompts(device)
     generator = torch.Generator().manual_seed(1)
@@ -97,7 +93,9 @@ def test_a_cut_cache_decodes_as_one_that_never_held_the_cut_tokens(tokenizer, po
         for name in mine:
             assert torch.equal(mine[name], theirs[name]), name
     go_on = [after, kept, cut]
-    reordered = settings.get("reuse_rows") == "on"
+    # on CUDA a grown cache selects into its larger capacity: the attention's tiles of masked and attended rows
+    # differ, its sums' order too
+    reordered = settings.get("reuse_rows") == "on" or (device == "cuda" and "block_tokens" in settings)
     for mine, theirs in zip(stepped(model, rolled, inputs, go_on), stepped(model, fresh, inputs, go_on), strict=True):
         assert torch.allclose(mine, theirs, atol=1e-5, rtol=0) if reordered else torch.equal(mine, theirs)
 
@@ -108,8 +106,6 @@ def test_assisted_decoding_runs_with_the_cache_and_gives_greedy_tokens(tokenizer
     """transformers' prompt-lookup decoding (drafts copied from the prompt) and assisted decoding (an assistant
     model's drafts), each verified in one forward and the rejected drafts cropped: greedy's tokens, from a prompt
     that repeats itself so that drafts are accepted too."""
-    if device == "cuda":
-        pytest.skip(CPU_ONLY)
     model, artifact = tiny_setup(tokenizer, "llama", device)
     if drafts == "prompt lookup":
         assisted = {"prompt_lookup_num_tokens": 3}
@@ -152,8 +148,6 @@ def test_assisted_decoding_runs_with_the_cache_and_gives_greedy_tokens(tokenizer
     ],
 )
 def test_a_cache_a_cut_cannot_undo_refuses_in_one_line(tokenizer, settings, said, device):
-    if device == "cuda":
-        pytest.skip(CPU_ONLY)
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = prompts(device)
     cache = cache_for(model, artifact, block_tokens=8, **settings)
@@ -167,26 +161,6 @@ def test_a_cache_a_cut_cannot_undo_refuses_in_one_line(tokenizer, settings, said
     with pytest.raises(InfinigenError, match="cannot be removed"):
         cache_for(model, artifact).crop(-1)
     assert cache.get_seq_length() == length
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_the_cuda_refusal(tokenizer):
-    """Cutting back, and with it exact decoding, is refused on CUDA in one line until its CUDA path is done."""
-    import infinigen
-
-    model, artifact = tiny_setup(tokenizer, "llama", "cuda")
-    inputs = prompts("cuda")
-    cache = cache_for(model, artifact, policy="full", **EXACT)
-    stepped(model, cache, inputs, [inputs["input_ids"][:, -1:]] * 2)
-    assert not cache.is_croppable
-    with pytest.raises(InfinigenError, match="CPU only"):
-        cache.crop(-1)
-    with cache_for(model, artifact, exact=True) as exact, pytest.raises(InfinigenError, match="CPU only"):
-        kwargs = {cache_argument(model): exact}
-        model.generate(
-            **inputs, max_new_tokens=4, do_sample=False, pad_token_id=1, custom_generate=infinigen.decode, **kwargs
-        )
 
 
 def test_a_cut_given_as_a_tensor_is_the_same_cut(tokenizer):

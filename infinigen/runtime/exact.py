@@ -11,6 +11,8 @@ accepted, plus one: each row's tokens are its verification's, so every row is ex
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from infinigen.architectures import sliding_windows
@@ -40,14 +42,39 @@ def check(model, cache: InfinigenCache, generation_config) -> None:
 
 
 class Verified:
-    """The counts of a run's cycles: tokens drafted, drafts accepted, verifying forwards."""
+    """A run's cycles: tokens drafted, drafts accepted, verifying forwards, and where each cycle's time went
+    (marks at its start, after its drafts, after its verification: CUDA events, read once the run is done)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.drafted = self.accepted = self.verifications = 0
+        self.device, self.marks = device, []  # per cycle: (start, drafted, verified)
+
+    def mark(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def summary(self) -> dict:
         counts = {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications}
-        return counts | {"acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None}
+        counts["acceptance"] = round(self.accepted / self.drafted, 4) if self.drafted else None
+        drafting = verifying = 0.0
+        for start, drafted, verified in self.marks:
+            drafting, verifying = drafting + _seconds(start, drafted), verifying + _seconds(drafted, verified)
+        cycles = max(1, len(self.marks))
+        return counts | {
+            "draft_ms": round(drafting * 1e3 / cycles, 3),  # a cycle's drafts and their cut
+            "verify_ms": round(verifying * 1e3 / cycles, 3),  # its verifying forward
+            "verification_share": round(verifying / (drafting + verifying), 4) if self.marks else None,
+        }
+
+
+def _seconds(start, end) -> float:
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def cycles(model, cache, argument: str, step, emit, mask, position: torch.Tensor, token: torch.Tensor) -> None:
@@ -55,22 +82,24 @@ def cycles(model, cache, argument: str, step, emit, mask, position: torch.Tensor
     row is done; ``argument``: the keyword ``model`` takes the cache under, ``step``: its ``StepGraph``. ``token``
     (B,): the latest token, not yet cached, to go at ``position`` (B, 1) + 1; ``mask`` (B, T): the attention mask
     of the tokens so far, which end with ``token``."""
-    verified = cache.verified = Verified()
+    verified = cache.verified = Verified(token.device)
     drafts_per_cycle = cache.config.draft_tokens
     while True:
         # at least one draft: a forward of one token would be a decode step, over the policy's selection
         k = max(1, min(drafts_per_cycle, emit.max_length - emit.input_ids.shape[1] - 1))
-        drafts, drafted, at = [], token, position
+        drafts, drafted, at, start = [], token, position, verified.mark()
         for _ in range(k):
             at = at + 1
             drafted = step(drafted[:, None], at).argmax(-1)
             drafts.append(drafted)
         cache.crop(-k)  # their KV came from selected rows: the verification writes the model's own
+        drafted_at = verified.mark()
         candidates = torch.stack([token, *drafts], dim=1)  # (B, k + 1)
         ones = torch.ones_like(candidates)
         positions = position + 1 + torch.arange(k + 1, device=candidates.device)  # (B, k + 1)
         inputs = {"attention_mask": torch.cat([mask, ones[:, 1:]], dim=1), "position_ids": positions}
         logits = model(candidates, **{argument: cache}, use_cache=True, logits_to_keep=k + 1, **inputs).logits
+        verified.marks.append((start, drafted_at, verified.mark()))
         verified.verifications += 1
         verified.drafted += k
         # each position's token in order, while the drafts agree with them (the first that does not is the last)

@@ -143,17 +143,22 @@ def hidden_keys(mask: torch.Tensor) -> int:
     return hidden
 
 
+FEW_QUERIES = 64  # a forward of at most this many tokens (exact decoding's verification) reads its keys in spans
+
+
 def _past_and_chunk(cache, layer, key, value, mask, past: int) -> Iterator[chunk_attention.Block]:
     """A later prefill chunk's keys in blocks: the earlier tokens (an offloaded layer's from its pool, a
     dense layer's from its buffer), then the chunk's own, causal. Only blocks that hold a hidden key
-    (padding) carry the mask: the others take the flash kernel, which takes none."""
+    (padding) carry the mask: the others take the flash kernel, which takes none. A forward of a few tokens
+    reads the earlier keys after the padding as one span where they lie on the GPU together: its attention
+    is brief beside their copies, and a block's attention and merge cost launches a block."""
     hidden = hidden_keys(mask) if mask is not None else 0
+    whole_from = hidden if key.shape[2] - (0 if isinstance(layer, OffloadedLayer) else past) <= FEW_QUERIES else None
     if isinstance(layer, OffloadedLayer):
-        earlier = pool_blocks(cache, layer, past)
+        earlier = pool_blocks(cache, layer, past, whole_from)
         chunk_keys, chunk_values = key, value
     else:
-        step = cache.config.prefill_block_tokens
-        spans = ((lo, min(lo + step, past)) for lo in range(0, past, step))
+        spans = _spans(past, cache.config.prefill_block_tokens, whole_from)
         earlier = ((key[:, :, lo:hi], value[:, :, lo:hi]) for lo, hi in spans)
         chunk_keys, chunk_values = key[:, :, past:], value[:, :, past:]
     lo = 0
@@ -163,23 +168,40 @@ def _past_and_chunk(cache, layer, key, value, mask, past: int) -> Iterator[chunk
     yield chunk_keys, chunk_values, mask[:, :, :, past:] if past < hidden else None, True
 
 
-def pool_blocks(cache, layer: OffloadedLayer, end: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _spans(end: int, step: int, whole_from: int | None) -> Iterator[tuple[int, int]]:
+    """Blocks (lo, hi) of ``step`` tokens over 0 .. end-1; with ``whole_from``, every block from the first that
+    starts at or after it on as one."""
+    for lo in range(0, end, step):
+        if whole_from is not None and lo >= whole_from:
+            yield lo, end
+            return
+        yield lo, min(lo + step, end)
+
+
+def pool_blocks(cache, layer: OffloadedLayer, end: int, whole_from: int | None = None):
     """Keys and values (B, kv_heads, n, d) of slots 0 .. end-1, ``prefill_block_tokens`` at a time, for a
     later prefill chunk's attention (``kernels.chunk_attention``). The blocks come from the pool on the
-    transfer stream: fetched ahead during the previous layer (``fetch_ahead``), else through two staging
-    buffers, the next block's copy queued before the current one is attended. Once this layer's copies
-    are queued, the next layer's are (where the plan has room for them): an attention reads its blocks
-    far faster than the bus brings them, and the previous layer's MLP hides them."""
+    transfer stream: fetched ahead during the previous layer (``fetch_ahead``; with ``whole_from``, those
+    from there on as one span, ``_spans``), else through two staging buffers, the next block's copy queued
+    before the current one is attended. Once this layer's copies are queued, the next layer's are (where
+    the plan has room for them): an attention reads its blocks far faster than the bus brings them, and the
+    previous layer's MLP hides them."""
     cache.count_fetch(layer, end, step=False)
     ahead, layer.fetched_ahead, region = layer.fetched_ahead, None, None
     if ahead is not None and ahead[0] == end:
         _, blocks, region = ahead
+        spans = _spans(end, cache.config.prefill_block_tokens, whole_from)
+        step = cache.config.prefill_block_tokens
+        blocks = [
+            (region[:, :, lo:hi], [ready for _, ready in blocks[lo // step : -(-hi // step)]]) for lo, hi in spans
+        ]
     else:  # none, or a stale one (a forward that stopped short), let go
-        blocks = _staged(cache, layer, end)
+        blocks = ((part, [ready]) for part, ready in _staged(cache, layer, end))
     del ahead
-    for part, ready in blocks:
-        if ready is not None:
-            torch.cuda.current_stream(cache.device).wait_event(ready)
+    for part, arrivals in blocks:
+        for ready in arrivals:
+            if ready is not None:
+                torch.cuda.current_stream(cache.device).wait_event(ready)
         rows = part.transpose(2, 3)  # (B, kv_heads, 2, n, width)
         if layer.policy.codec is not None:
             decoded = torch.empty(*rows.shape[:-1], layer.head_dim, dtype=layer.dtype, device=cache.device)

@@ -6,7 +6,7 @@ tokens is marking slots n.. free: their pool rows, 8-bit scales and partial keys
 tokens, and attention reads no slot that is not valid. Rows reuse keeps on the GPU are dropped from the cut
 on. Where the premise fails, a crop is refused in one line: a policy that accumulates what later queries
 attend to (h2o) or keeps state per page (quest: a page's bounds span the cut), a limited CPU pool (it evicted
-and rewrote slots), a sliding window that has moved past the cut; and on CUDA, until its tests pass there.
+and rewrote slots), a sliding window that has moved past the cut.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from infinigen.runtime.cache.sliding import SlidingLayer
 
 def refusal(cache) -> str | None:
     """Why ``cache`` cannot be cut back as it now stands, or None."""
-    if cache.device.type == "cuda":  # until its CUDA tests pass: one, a cut across a pool block's growth, failed
-        return "cutting a cache back is done on the CPU only so far, not on CUDA"
     policy = cache.policy_type
     if policy.observes_attention:
         return f"the {policy.name} policy accumulates the attention its cached tokens receive"

@@ -16,17 +16,15 @@ needs, each step stated (``MemoryPlan.shed``):
   its own input, fetching without overlap: the paper keeps it dense for accuracy), each time with the
   most of the above that then fits;
 - then, where ``kv_bits`` is the default, 16-bit rows (8-bit ones keep a scale per row on the GPU);
-- only where nothing fits, weights streamed from host memory, with the settings of the fewest bytes over
-  the run (``streaming``);
-- last, where the settings chosen leave room: a later prefill chunk's fetch of the next layer's earlier
-  KV during this layer (``prefill_fetch_ahead``: speed alone, so nothing else is given up for it).
+- only where nothing fits, weights streamed from host memory, the settings moving fewest bytes (``streaming``);
+- last, where room is left, a later chunk's fetch of the next layer's KV during this one (``prefill_fetch_ahead``).
 
-Peaks: parts held through the run (``run``) add up; what the prefill needs (``prefill``: a chunk's
-workspace) and what decoding needs (``decode``: fetched or resident rows, a step's workspace) never
-coexist, so the peak is the held parts plus the larger of the two (inside a prefill layer, likewise its
-attention's moment and its MLP's: ``layer_activations``). The budget is what PyTorch may allocate: a GPU
-memory size given (``RuntimeConfig.gpu_memory_gb``) less the CUDA context, which PyTorch does not count
-(``CONTEXT_BYTES``), or the device's free memory; beside the peak it must hold the allocator's slack (``SLACK``).
+Peaks: parts held through the run (``run``) add up; the prefill's (``prefill``: a chunk's workspace) and
+decoding's (``decode``: fetched or resident rows, a step's workspace, exact decoding's verification) never
+coexist: the peak is the held parts and the larger of the two (in a prefill layer, likewise its attention's and its
+MLP's: ``layer_activations``). The budget is what PyTorch may allocate: a GPU memory size given
+(``RuntimeConfig.gpu_memory_gb``) less the CUDA context (``CONTEXT_BYTES``), or the device's free memory,
+with the allocator's slack (``SLACK``) beside the peak.
 """
 
 from __future__ import annotations
@@ -53,9 +51,7 @@ from infinigen.runtime.memory.sizing import (
     streamed_count,
     weight_slots,
 )
-from infinigen.runtime.memory.sizing import (
-    model_of as model_of,  # the plan's interface: a model's ``Model`` from its config
-)
+from infinigen.runtime.memory.sizing import model_of as model_of  # the interface: a config's ``Model``
 from infinigen.runtime.selection.policies import policy_class, row_bits
 from infinigen.runtime.selection.policies.base import rows_bound
 from infinigen.runtime.selection.speculation import padded_channels
@@ -198,6 +194,10 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
         if config.prefill_fetch_ahead and not policy.observes_attention and work.chunk < work.context:
             past = work.chunk * ((work.context - 1) // work.chunk)  # at the last chunk
             parts.append(Part(FETCHED_AHEAD, "gpu", batch * kv * past * 2 * read, "prefill"))
+        if config.exact:  # a verification reads every row as a chunk does, the decode's parts held meanwhile
+            ahead = work.tokens * read if config.prefill_fetch_ahead and not policy.observes_attention else 0
+            rows = batch * kv * 2 * (2 * config.prefill_block_tokens * (stored + decoded * read) + ahead)
+            parts.append(Part("decode: exact decoding's verification", "gpu", rows, "decode"))
         selection = 3 * 4 * batch * kv * capacity  # scores, their ranks and counts, float32 / int32
         parts.append(Part("decode: selection workspace", "gpu", selection, "decode"))
         if work.layer_graphs and config.cuda_graphs:

@@ -243,11 +243,11 @@ class KVPool:
 
 def _copy_runs(target: torch.Tensor, source: torch.Tensor) -> None:
     """target <- source, (B, H, T, 2, w), one of them (on the host) part of a pool block. Part of a
-    block is strided, which ``copy_`` would stage in pageable memory: on CUDA one 2D DMA copy of every
-    (batch row, head) run (``host_memory.copy_runs``), else one copy per run (not the GPU's own stores,
-    which reach freshly registered pages at a tenth of the link: 3.7 vs 40 GB/s, BENCHMARKS "Prefill")."""
-    host = target if target.device.type == "cpu" else source
-    if host.is_contiguous() or "cuda" not in (target.device.type, source.device.type):
+    block is strided, which ``copy_`` would stage in pageable memory, and a strided GPU side ``copy_``
+    stages in a GPU buffer and copies again: on CUDA one 2D DMA copy of every (batch row, head) run
+    (``host_memory.copy_runs``), else one copy per run (not the GPU's own stores, which reach freshly
+    registered pages at a tenth of the link: 3.7 vs 40 GB/s, BENCHMARKS "Prefill")."""
+    if (target.is_contiguous() and source.is_contiguous()) or "cuda" not in (target.device.type, source.device.type):
         target.copy_(source, non_blocking=True)
         return
     if copy_runs(target, source):  # one 2D copy of every run
