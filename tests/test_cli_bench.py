@@ -37,6 +37,11 @@ def test_bench_tiny_on_cpu(monkeypatch):
     assert result.exit_code == 0, result.output
     report = strict_json(result.stdout)
     assert report["pinned_h2d_gb_s"] is None  # no host->device link on CPU
+    assert report["matmul_tflop_s"] > 0 and report["device_gb_s"] > 0  # the CPU's own
+    for row in report["results"]:  # bound by the CPU's work: nothing crosses a link
+        assert row["step_bus_ms"] == 0 and row["step_bound_ms"] == row["step_compute_ms"] > 0
+        assert row["step_over_bound"] == pytest.approx(row["ms_per_step"] / row["step_bound_ms"], rel=0.01)
+        assert row["prefill_tflop_s"] > 0
     splits = [(b["policy"], b["budget"], b["batch"], b["prompt_len"]) for b in report["breakdown"]]
     assert splits == [("full", None, 2, 64), ("infinigen", 0.2, 2, 64), ("infinigen", 0.5, 2, 64)]  # as the results
     assert all(b["compute_only_ms"] > 0 and b["transfer_only_ms"] > 0 for b in report["breakdown"])
@@ -329,8 +334,8 @@ def test_bench_counts_a_steps_bytes_alone_and_bounds_the_step():
     """``h2d_mb_per_step`` is the decode steps' own (a chunked prefill's re-reads of earlier chunks apart):
     ``full`` moves every cached row of its 2 offloaded layers, 2 KV heads of 128-byte float32 rows, at 256 to
     260 cached tokens over its 5 steps; the step's bound is those bytes and the streamed weights' at the
-    link's rate."""
-    from infinigen.cli.bench import _with_bound
+    link's rate, or the device work where that is longer (``bench.bounds``)."""
+    from infinigen.bench.bounds import ChipRates, with_bound
 
     for chunk in ("64", "0"):
         result = bench(
@@ -339,9 +344,40 @@ def test_bench_counts_a_steps_bytes_alone_and_bounds_the_step():
         row = strict_json(result.stdout)["results"][0]
         assert row["h2d_mb_per_step"] == pytest.approx(2 * 2 * 128 * 258 / 1e6, abs=1e-3)
         assert row["kv_bits"] == row["kv_bits_applied"] == 16
-    bounded = _with_bound({"ms_per_step": 30.0, "h2d_mb_per_step": 500.0, "streamed_weights_mb_per_step": 500.0}, 50)
-    assert bounded["step_bound_ms"] == 20.0 and bounded["step_over_bound"] == 1.5
-    assert "step_bound_ms" not in _with_bound({"ms_per_step": 3.0}, 50)  # nothing crosses: no bound
+    row = {"ms_per_step": 30.0, "device_mb_per_step": 100.0, "step_gflop": 1.0, "prefill_tflop": 2.0, "prefill_s": 4.0}
+    crossing = {"h2d_mb_per_step": 500.0, "streamed_weights_mb_per_step": 500.0}
+    bounded = with_bound(row | crossing, ChipRates(matmul_tflop_s=100.0, memory_gb_s=1000.0, bus_gb_s=50.0))
+    assert bounded["step_compute_ms"] == 0.1 and bounded["step_bus_ms"] == 20.0  # 100 MB at 1,000 GB/s; 1 GB at 50
+    assert bounded["step_bound_ms"] == 20.0 and bounded["step_over_bound"] == 1.5 and bounded["prefill_tflop_s"] == 0.5
+    computing = with_bound(row | crossing, ChipRates(matmul_tflop_s=0.5, memory_gb_s=10.0, bus_gb_s=None))
+    assert computing["step_bound_ms"] == 10.0 and computing["step_over_bound"] == 3.0  # the reads, not the 2 ms of FLOP
+    assert with_bound({"error": "out of memory"}, ChipRates(1.0, 1.0, 1.0)) == {"error": "out of memory"}
+
+
+def test_the_bounds_arithmetic_by_hand():
+    """A tiny Llama (hidden 64, 4 layers, 4 heads of 16, 2 KV heads, MLP 128, vocab 512, untied), bf16: 148,032
+    decoder weights (layers 4 x 36,992, the final norm 64) besides the embedding table and the head (32,768 each)."""
+    from transformers import AutoConfig
+
+    from infinigen.bench.bounds import _causal_pairs, prefill_flop, step_work
+    from infinigen.runtime.memory import plan as memory
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = memory.model_of(config, torch.bfloat16)
+    assert model.weight_bytes == 2 * (148_032 + 2 * 32_768)
+    # 2 rows at 100 tokens, layer 0 dense, 3 offloaded attending a quarter: 100 + 3 x 25 keys a row
+    work = step_work(model, torch.bfloat16, batch=2, tokens=100, dense_layers=1, fraction=0.25)
+    read = 2 * (148_032 + 32_768) + 2 * 175 * 2 * 16 * 2 * 2  # weights but the table; K and V of 2 heads of 16
+    flop = 2 * 2 * (148_032 + 32_768) + 4 * 2 * 175 * 4 * 16  # every weight and the head; q·k, p·v of 4 heads
+    assert work == pytest.approx({"device_mb_per_step": read / 1e6, "step_gflop": flop / 1e9})
+    every = step_work(model, torch.bfloat16, batch=2, tokens=100, dense_layers=None, fraction=0.25)
+    assert every["device_mb_per_step"] == pytest.approx((2 * 180_800 + 2 * 400 * 2 * 16 * 2 * 2) / 1e6)  # all KV
+    causal = 4 * 2 * (4 * 5050) * 4 * 16  # 100 x 101 / 2 pairs a layer
+    assert prefill_flop(model, torch.bfloat16, 2, 100) == pytest.approx(2 * 2 * 100 * 148_032 + causal + 2 * 2 * 32_768)
+    assert _causal_pairs(10, 4) == 1 + 2 + 3 + 4 * 7 and _causal_pairs(3, 4) == 6
 
 
 def test_bench_reserves_host_memory_before_its_cases(monkeypatch):

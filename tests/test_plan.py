@@ -395,11 +395,26 @@ def test_plan_command_json_and_table(monkeypatch):
         ("--shape llama-3-8b --gpu-memory-gb -1", "gpu_memory_gb must be positive, got -1.0"),
         ("--shape nope", "unknown shape 'nope'"),
         ("smollm2-135m --shape llama-3-8b", "give MODEL or --shape, not both"),
+        ("--shape llama-3-8b --bus-gb-s 0", "--bus-gb-s must be a positive rate in GB/s, got 0.0"),
     ],
 )
 def test_plan_command_refuses_bad_input(args, message):
     result = invoke("plan", *args.split())
     assert result.exit_code == 2 and message in " ".join(result.output.split())
+
+
+def test_the_plan_predicts_the_step_at_a_given_bus_rate():
+    """The 8B shape at 1 x 128K + 128, the defaults, on a PCIe Gen4 link: 30 offloaded layers x 8 KV heads x a tenth
+    of 131,200 tokens (13,120) of 256-byte 8-bit rows cross the bus a step, at 25 GB/s (without row reuse's saving:
+    the rows a step selects again are not known before it runs)."""
+    args = ["--shape", "llama-3-8b", "--gpu-memory-gb", "24", "--context", "131072", "--json"]
+    result = invoke("plan", *args, "--bus-gb-s", "25")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["step_floor_ms"] == round(30 * 8 * 13_120 * 256 / 25e9 * 1e3, 2) == 32.24
+    assert report["pinned_h2d_gb_s"] == 25 and report["bus_from"] == "--bus-gb-s"
+    slower = json.loads(invoke("plan", *args, "--bus-gb-s", "12.5").stdout)
+    assert slower["step_floor_ms"] == pytest.approx(2 * report["step_floor_ms"], abs=0.01)
 
 
 def test_a_real_models_config_alone(tmp_path):

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from infinigen.artifacts import Artifact
-from infinigen.bench import ACCELERATED
+from infinigen.bench import ACCELERATED, bounds
 from infinigen.bench.accelerate_offload import accelerate_offloaded
 from infinigen.errors import InfinigenError
 from infinigen.prepare import DEFAULT_RATIO
@@ -31,6 +31,7 @@ from infinigen.runtime import POLICIES, InfinigenCache, RuntimeConfig, StepGraph
 from infinigen.runtime.config import config_from
 from infinigen.runtime.generation import prefill
 from infinigen.runtime.memory import host_memory
+from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.memory.plan import cache_settings
 from infinigen.runtime.memory.throughput import host_to_device_gb_s
 from infinigen.runtime.weights import layer_bytes, streamed_weights
@@ -329,12 +330,24 @@ def _run_case(
             "cpu_pool_gb": round(stats["cpu_pool_bytes"] / 1e9, 2),
             "host_block_wait_s": round(cache.host_blocks.waited_s, 3),  # for blocks being pinned (a first cache)
         }
+    result |= _chip_work(model, case, result.get("fraction_attended"))
     if (streamed := streamed_weights(model)) is not None:  # every streamed layer crosses at every step
         crossing = sum(layer_bytes(block) for block in streamed.blocks)
         result["streamed_weights_mb_per_step"] = round(crossing / 1e6, 3)
     if case.ours:
         cache.close()  # its KV let go before weights it streamed go back to the GPU
     return result
+
+
+def _chip_work(model: PreTrainedModel, case: BenchCase, attended: float | None) -> dict:
+    """What the chip must do for the case's step and prefill (``bounds``): the step's device bytes and FLOP,
+    the prefill's TFLOP."""
+    dtype = next(model.parameters()).dtype
+    subject = memory.model_of(model.config, dtype)
+    policy = POLICIES.get(case.policy)
+    dense_layers = case.config.dense_layers if policy is not None and policy.offloads else None
+    work = bounds.step_work(subject, dtype, case.batch, case.prompt_len, dense_layers, attended or 1.0)
+    return work | {"prefill_tflop": bounds.prefill_flop(subject, dtype, case.batch, case.prompt_len) / 1e12}
 
 
 @torch.no_grad()

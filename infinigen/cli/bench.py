@@ -125,7 +125,7 @@ def bench(
     """
     import torch
 
-    from infinigen.bench import auto_batch
+    from infinigen.bench import auto_batch, bounds
     from infinigen.bench.micro import micro_report
     from infinigen.bench.plots import plot_bench, plot_micro
     from infinigen.bench.profiles import parse_profiles
@@ -215,9 +215,9 @@ def bench(
     if world_size() > 1:  # the physical limit: every rank's link in use at once (each rank's rows are its own)
         report["ranks"] = world_size()
         report["pinned_h2d_all_ranks_gb_s"] = round(summed(bandwidth, device), 1) if bandwidth is not None else None
-    results, split_rows = _run(subject, artifacts, cases, repeat, breakdown, as_json, budget)
-    if bandwidth is not None:
-        results = [_with_bound(row, bandwidth) for row in results]
+    rates = bounds.measured(subject.model.device, subject.model.dtype, bandwidth)  # the bounds' (``bench.bounds``)
+    report |= {"matmul_tflop_s": round(rates.matmul_tflop_s, 2), "device_gb_s": round(rates.memory_gb_s, 1)}
+    results, split_rows = _run(subject, artifacts, cases, repeat, breakdown, as_json, budget, rates)
     report |= {"results": results, "breakdown": split_rows}
     if throughput:
         report["throughput_plan"] = [auto_batch.measured_run(plan, results) for plan in throughput]
@@ -228,16 +228,6 @@ def bench(
     if not printed_json(report, as_json):
         _print_bench(report)
         _print_profiles(report.get("profiles", []))
-
-
-def _with_bound(row: dict, bandwidth_gb_s: float) -> dict:
-    """A decoded row with its step's bound where bytes cross the link every step: the fetched rows and the
-    streamed weights it measured, at the pinned host->device rate measured in this process."""
-    crossing = (row.get("h2d_mb_per_step") or 0) + (row.get("streamed_weights_mb_per_step") or 0)
-    if "ms_per_step" not in row or not crossing:
-        return row
-    bound = crossing / bandwidth_gb_s  # MB over GB/s: ms
-    return row | {"step_bound_ms": round(bound, 2), "step_over_bound": round(row["ms_per_step"] / bound, 2)}
 
 
 def _one(values: list, option: str):
@@ -291,9 +281,11 @@ def _streamed(subject_config, dtype: str, device: str, budget, cases: list):
 
 
 def _run(
-    subject, artifacts: dict, cases: list, repeat: int, breakdown: bool, as_json: bool, budget: int | None
+    subject, artifacts: dict, cases: list, repeat: int, breakdown: bool, as_json: bool, budget: int | None, rates
 ) -> tuple[list, list]:
-    """The sweep, with a progress bar for people or each row on stderr as JSON for machines."""
+    """The sweep, with a progress bar for people or each row on stderr as JSON for machines, each row with its
+    bounds at ``rates``."""
+    from infinigen.bench.bounds import with_bound
     from infinigen.bench.sweep import run_sweep
 
     splits = sum(breakdown and case.policy in ("full", "infinigen") for case in cases)
@@ -315,11 +307,11 @@ def _run(
             text_ids=subject.text_ids,
             split=breakdown,
             on_case=on_case,
-            on_row=stream_row if as_json else lambda row: None,
+            on_row=(lambda row: stream_row(with_bound(row, rates))) if as_json else lambda row: None,
             budget=budget,
         )
         bar.update(running, completed=len(cases) + splits)
-    return rows
+    return [with_bound(row, rates) for row in rows[0]], rows[1]
 
 
 def _profiled(subject, artifacts: dict, cases: list, profiles: tuple[str, ...], as_json: bool) -> list[dict]:
@@ -434,7 +426,10 @@ def _print_bench(report: dict) -> None:
         title += f", rank 0 of {report['ranks']}"
     swept = _swept(rows)
     columns = dict(list(BENCH_COLUMNS.items())[:2]) | swept | BENCH_COLUMNS  # what the sweeps vary, after the budget
-    print_rows(title + (f" (pinned H2D {bandwidth:.1f} GB/s)" if measured else ""), columns, rows)
+    rates = [f"pinned H2D {bandwidth:.1f} GB/s"] if measured else []
+    if "matmul_tflop_s" in report:  # the bounds' rates
+        rates += [f"matmul {report['matmul_tflop_s']} TFLOP/s", f"memory {report['device_gb_s']} GB/s"]
+    print_rows(title + (f" ({', '.join(rates)})" if rates else ""), columns, rows)
     for plan in report.get("throughput_plan", []):  # the batch an autoxN size ran
         print_pairs(f"throughput plan at {plan['context']} tokens", {k: v for k, v in plan.items() if k != "rates"})
     if report["breakdown"]:

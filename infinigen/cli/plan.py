@@ -28,6 +28,10 @@ def plan(
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per sequence.")] = 128,
     prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens; 0: the prompt in one pass.")] = 4096,
     dtype: Annotated[str, typer.Option(help="The weights' and KV's dtype.")] = "bfloat16",
+    bus_gb_s: Annotated[
+        float | None,
+        typer.Option(help="The host link's GB/s to predict the step at (PCIe Gen4: about 25); default: measured."),
+    ] = None,
     padded: Annotated[
         bool, typer.Option(help="Prompts of different lengths (left-padded): the prefill's attention takes a mask.")
     ] = False,
@@ -35,12 +39,13 @@ def plan(
 ) -> None:
     """The memory plan of a run: each part's bytes on the GPU and in host memory, the settings the GPU
     budget (--gpu-memory-gb, default: this device's free memory) leaves, the largest batch and context
-    each policy fits, the decode step's floor at this machine's host->device bandwidth, and (throughput
+    each policy fits, the decode step's floor at this machine's host->device bandwidth (or --bus-gb-s), and (throughput
     mode, on a GPU) the batch at this context, with the layers streamed for it, of the most tokens/s.
 
     Examples:\n
       infinigen plan --shape llama-3-8b --gpu-memory-gb 24 --batch 1 --context 131072\n
-      infinigen plan smollm2-135m --gpu-memory-gb 2 --context 8192 --json
+      infinigen plan smollm2-135m --gpu-memory-gb 2 --context 8192 --json\n
+      infinigen plan --shape llama-3-8b --gpu-memory-gb 24 --context 131072 --bus-gb-s 25
     """
     import torch
 
@@ -52,6 +57,8 @@ def plan(
 
     if min(batch, context) < 1 or new_tokens < 0 or prefill_chunk < 0:
         raise InfinigenError("--batch and --context must be at least 1, --new-tokens and --prefill-chunk at least 0")
+    if bus_gb_s is not None and not bus_gb_s > 0:
+        raise InfinigenError(f"--bus-gb-s must be a positive rate in GB/s, got {bus_gb_s}")
     config = RuntimeConfig(**runtime)
     torch_dtype = parse_dtype(dtype, "cuda")
     model_config = _config(model, shape, SHAPE_POSITIONS)
@@ -60,7 +67,7 @@ def plan(
     budget = memory.budget_bytes(config.gpu_memory_gb, device)
     work = memory.Workload(batch, context, new_tokens, prefill_chunk or None, padded and batch > 1)
     found = memory.plan(subject, torch_dtype, work, config, budget)
-    bandwidth = _bandwidth(device)
+    bandwidth = bus_gb_s or _bandwidth(device)
     report = {
         "model": model or shape or "smollm2-135m",
         "dtype": dtype,
@@ -72,6 +79,7 @@ def plan(
         "prefill_moved_gb": _gb(prefill_bytes(found)),
         "prefill_floor_s": None if bandwidth is None else _rounded(prefill_bytes(found) / (bandwidth * 1e9)),
         "pinned_h2d_gb_s": _rounded(bandwidth),
+        "bus_from": "--bus-gb-s" if bus_gb_s else "measured" if bandwidth else None,
         "capacity": _capacity(subject, torch_dtype, work, config, budget),
         "throughput": _throughput(subject, torch_dtype, work, config, budget, device, bandwidth),
     }
@@ -199,7 +207,7 @@ def _print(report: dict) -> None:
         "given up": "; ".join(report["shed"]) or "nothing",
         "decode step floor": "n/a (no GPU)"
         if report["step_floor_ms"] is None
-        else f"{report['step_floor_ms']} ms at {report['pinned_h2d_gb_s']} GB/s",
+        else f"{report['step_floor_ms']} ms at {report['pinned_h2d_gb_s']} GB/s ({report['bus_from']})",
         "prefill over the bus": f"{report['prefill_moved_gb']} GB (streamed layers, earlier chunks' rows read again)"
         + ("" if report["prefill_floor_s"] is None else f": at least {report['prefill_floor_s']} s"),
     }
