@@ -5,6 +5,7 @@ what it cannot make exact is refused in one line."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from transformers import DynamicCache
 import infinigen
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_argument, cache_for
+from infinigen.runtime.config import MOST_DRAFTS, RuntimeConfig
+
+EXACTLY = {"policy": "infinigen", "budget": 0.2, "min_tokens": 2, "draft_tokens": 3}  # drafts a verification corrects
 
 
 def batch(device, lengths=(9, 23, 16), seed: int = 0) -> dict[str, torch.Tensor]:
@@ -47,7 +51,7 @@ def test_exact_decoding_gives_dense_decodings_tokens(tokenizer, arch, lengths, d
 
 
 @pytest.mark.parametrize("policy", ["dense", "full", "oracle", "infinigen"])
-@pytest.mark.parametrize("draft_tokens", [1, 3, 8])
+@pytest.mark.parametrize("draft_tokens", [0, 1, 3, 8])  # 0: adaptive
 def test_every_policy_and_draft_length_is_exact(tokenizer, policy, draft_tokens, device):
     model, artifact = tiny_setup(tokenizer, "llama", device)
     inputs = batch(device, seed=4)
@@ -56,7 +60,7 @@ def test_every_policy_and_draft_length_is_exact(tokenizer, policy, draft_tokens,
     tokens, counts = exact_tokens(model, artifact, inputs, 40, **settings)
     assert torch.equal(tokens, expected)
     if policy in ("dense", "full"):  # drafts over every row: each the model's own (the last cycle's may go unread)
-        assert counts["accepted"] >= counts["drafted"] - draft_tokens
+        assert counts["accepted"] >= counts["drafted"] - (draft_tokens or MOST_DRAFTS)
 
 
 @pytest.mark.parametrize(
@@ -119,3 +123,65 @@ def test_commands_that_do_not_decode_offer_no_exact_option(command):
     """bench times single decode steps and eval ppl / tasks score teacher-forced: --exact would change nothing."""
     refused = invoke(*command, "--exact")
     assert refused.exit_code == 2 and "No such option: --exact" in refused.output
+
+
+def test_a_batch_job_decodes_exactly(tokenizer, tmp_path):
+    """A job of padded batches under ``exact``: every row is dense decoding's, each row's own length."""
+    from test_batch import results, write_requests
+
+    from infinigen.batch import Job, Work, read_requests, run_job
+
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    write_requests(tmp_path / "in.jsonl", 6, longest=40)
+    requests, bad = read_requests(tmp_path / "in.jsonl")
+    rows = {}
+    for name, settings in [("dense", {"policy": "dense"}), ("exact", EXACTLY | {"exact": True})]:
+        job = Job.of(model, tokenizer, artifact, settings, max_new_tokens=12, max_batch=4)
+        run_job(job, Work(requests, bad, tmp_path / f"{name}.jsonl"))
+        rows[name] = results(tmp_path / f"{name}.jsonl")
+    assert rows["exact"] == rows["dense"] and len(rows["dense"]) == 6
+
+
+def test_a_server_that_decodes_exactly_answers_greedy_requests_with_dense_tokens(tokenizer):
+    """``infinigen serve --exact``: concurrent greedy requests get dense decoding's text; a sampled one a 400."""
+    import httpx
+    from serving import PROMPTS, client, serving
+
+    from infinigen.serve.engine import Engine
+
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    engine = Engine(model, tokenizer, artifact, EXACTLY | {"exact": True}, "tiny")
+    expected = []
+    for prompt in PROMPTS[:3]:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        expected.append(tokenizer.decode(greedy(model, inputs, DynamicCache(), new_tokens=10)[0]))
+    with serving(engine) as url:
+        asked = [{"model": "tiny", "prompt": p, "max_tokens": 10, "temperature": 0} for p in PROMPTS[:3]]
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda body: client(url).completions.create(**body), asked))
+        sampled = httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2}, timeout=60
+        )
+    assert [a.choices[0].text for a in answers] == expected
+    assert sampled.status_code == 400 and "send temperature 0" in sampled.json()["error"]["message"]
+
+
+def test_adaptive_drafting_takes_the_count_of_the_most_tokens_a_second():
+    """``draft_tokens`` 0: before a cycle is timed, 4; then the count the acceptance and the cycles' times so far
+    promise the most tokens a second from: every draft accepted and a costly verification, the most (16); none
+    accepted, 1; the costlier a verification against a draft, the more drafts."""
+    from infinigen.runtime.exact import FIRST_DRAFTS, Verified
+
+    def adapted(accepted: int, draft_s: float, verify_s: float, drafted: int = 40, cycles: int = 10) -> int:
+        verified = Verified(torch.device("cpu"))
+        verified.drafted, verified.accepted = drafted, accepted
+        verified.marks = [(0.0, draft_s * drafted / cycles, draft_s * drafted / cycles + verify_s)] * cycles
+        return verified.adapted()
+
+    assert Verified(torch.device("cpu")).adapted() == FIRST_DRAFTS == 4
+    assert adapted(accepted=40, draft_s=0.01, verify_s=0.1) == MOST_DRAFTS == 16
+    assert adapted(accepted=0, draft_s=0.01, verify_s=0.1) == 1
+    counts = [adapted(accepted=36, draft_s=0.01, verify_s=v) for v in (0.01, 0.05, 0.2, 1.0)]
+    assert counts == sorted(counts) and counts[0] < counts[-1]
+    with pytest.raises(InfinigenError, match="at least 0"):
+        RuntimeConfig(draft_tokens=-1)

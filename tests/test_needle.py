@@ -90,7 +90,11 @@ def test_too_short_text_and_bad_depth(tokenizer):
         needle_prompt(tokenizer, book, 64, 1.5)
 
 
-@pytest.mark.parametrize("settings", [{"policy": "dense"}, {"policy": "infinigen", **EXACT}])
+@pytest.mark.parametrize(
+    "settings",
+    [{"policy": "dense"}, {"policy": "infinigen", **EXACT}, {"exact": True, "budget": 0.1, "min_tokens": 2}],
+    ids=["dense", "infinigen at budget 1", "exact at budget 0.1"],
+)
 def test_greedy_after_equals_generate(tokenizer, settings):
     model, artifact = tiny_setup(tokenizer, "llama", "cpu")
     ids = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(2))

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.errors import InfinigenError
-from infinigen.runtime import InfinigenCache, StepGraph
+from infinigen.runtime import InfinigenCache, StepGraph, cache_argument, decode
 from infinigen.runtime.config import config_from
 from infinigen.runtime.generation import prefill
 from infinigen.runtime.memory import plan as memory
@@ -176,7 +176,20 @@ def continuation_scores(
 @torch.no_grad()
 def greedy_after(model: PreTrainedModel, cache, ids: torch.Tensor, prefix: int, new_tokens: int) -> torch.Tensor:
     """Through the runtime: prefill ids[:, :prefix], feed the rest one token per decode step, then
-    decode ``new_tokens`` greedy tokens one per step. (B, new_tokens)."""
+    decode ``new_tokens`` greedy tokens one per step. (B, new_tokens). Under ``exact`` decoding the whole of
+    ids is the prompt and the tokens are drafted and verified (``infinigen.decode``): dense decoding's."""
+    if cache.config.exact:
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,  # every token, as the steps below give them
+            pad_token_id=0,
+            custom_generate=decode,
+            **{cache_argument(model): cache},
+        )
+        return out[:, ids.shape[1] :]
     step = StepGraph(model, cache)  # one graph for the fed and the generated tokens
     cache.expect(ids.shape[1] + new_tokens)
     *_, logits = stepwise_logits(model, cache, ids, prefix, step=step)

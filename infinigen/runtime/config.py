@@ -24,6 +24,7 @@ ReuseRows = Literal["auto", "on", "off"]
 Allocation = Literal["adaptive", "uniform"]
 DEFAULT_RESIDENT_EXTRA = 2.0  # RuntimeConfig.resident_extra where rows are reused and none is given
 KEPT_CHUNK = 4096  # the prefill chunk where kept prompts are used and none is asked (``generate``'s default)
+MOST_DRAFTS = 16  # adaptive drafting's ceiling (``draft_tokens`` 0)
 
 
 def option(default: Any, help: str, *, applies_to: tuple[str, ...] = (), cli: bool = True) -> Any:
@@ -116,7 +117,12 @@ class RuntimeConfig:
         "(16-bit rows; greedy decoding).",
         applies_to=("offloads",),
     )
-    draft_tokens: int = option(4, "With --exact: tokens drafted before each verification.", applies_to=("offloads",))
+    draft_tokens: int = option(
+        4,
+        "With --exact: tokens drafted before each verification; 0: adaptive, each cycle the count of the most "
+        f"tokens a second the run's acceptance and timings so far promise (at most {MOST_DRAFTS}).",
+        applies_to=("offloads",),
+    )
     # "input" reads the residual stream entering layer i-1 (the paper; its transfer overlaps all of
     # layer i-1); "attention" the residual after layer i-1's attention (closer to layer i's input;
     # the transfer overlaps only layer i-1's MLP).
@@ -265,8 +271,8 @@ class RuntimeConfig:
             raise InfinigenError(f"resident_extra must be in [0, 8], got {self.resident_extra}")
         if self.resident_extra and self.reuse_rows == "off":
             raise InfinigenError("resident_extra keeps rows of earlier steps: it needs row reuse (auto or on)")
-        if self.draft_tokens < 1:
-            raise InfinigenError(f"draft_tokens must be at least 1, got {self.draft_tokens}")
+        if self.draft_tokens < 0:
+            raise InfinigenError(f"draft_tokens must be at least 0 (0: adaptive), got {self.draft_tokens}")
         if self.exact and self.kv_bits == 8:
             raise InfinigenError("exact decoding verifies against the model's own KV: it needs kv_bits 16, not 8")
         if self.reuse_rows == "on" and self.cpu_pool_gb is not None:

@@ -19,6 +19,7 @@ from infinigen.architectures import sliding_windows
 from infinigen.errors import InfinigenError
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.cache.rollback import refusal
+from infinigen.runtime.config import MOST_DRAFTS
 
 
 def check(model, cache: InfinigenCache, generation_config) -> None:
@@ -41,13 +42,18 @@ def check(model, cache: InfinigenCache, generation_config) -> None:
         raise InfinigenError(f"exact decoding cuts drafts off the cache, which cannot be: {reason}")
 
 
+FIRST_DRAFTS = 4  # adaptive drafting's first cycle, before any is timed
+
+
 class Verified:
     """A run's cycles: tokens drafted, drafts accepted, verifying forwards, and where each cycle's time went
-    (marks at its start, after its drafts, after its verification: CUDA events, read once the run is done)."""
+    (marks at its start, after its drafts, after its verification: CUDA events, read once that cycle is done)."""
 
     def __init__(self, device: torch.device) -> None:
         self.drafted = self.accepted = self.verifications = 0
         self.device, self.marks = device, []  # per cycle: (start, drafted, verified)
+        self.drafting = self.verifying = 0.0  # seconds of the cycles read so far
+        self.timed = 0  # cycles read so far
 
     def mark(self):
         if self.device.type != "cuda":
@@ -56,17 +62,37 @@ class Verified:
         event.record()
         return event
 
+    def read(self) -> None:
+        """Fold the cycles not yet read into the totals (every recorded cycle is done: its tokens were read)."""
+        for start, drafted, verified in self.marks[self.timed :]:
+            self.drafting += _seconds(start, drafted)
+            self.verifying += _seconds(drafted, verified)
+        self.timed = len(self.marks)
+
+    def adapted(self) -> int:
+        """The draft count of the most tokens a second the cycles so far promise: a draft accepted with the
+        rate seen (each after the one before), a cycle's time its drafts' at their mean and a verification's."""
+        self.read()
+        if not self.timed or not self.drafted:
+            return FIRST_DRAFTS
+        accepted = (self.accepted + 1) / (self.drafted + 2)  # never 0 or 1
+        draft, verify = self.drafting / self.drafted, self.verifying / self.timed
+
+        def rate(n: int) -> float:  # the tokens a cycle gives (its accepted drafts and one more) a second
+            return (1 - accepted ** (n + 1)) / (1 - accepted) / (n * draft + verify)
+
+        return max(range(1, MOST_DRAFTS + 1), key=rate)
+
     def summary(self) -> dict:
         counts = {"drafted": self.drafted, "accepted": self.accepted, "verifications": self.verifications}
         counts["acceptance"] = round(self.accepted / self.drafted, 4) if self.drafted else None
-        drafting = verifying = 0.0
-        for start, drafted, verified in self.marks:
-            drafting, verifying = drafting + _seconds(start, drafted), verifying + _seconds(drafted, verified)
-        cycles = max(1, len(self.marks))
+        self.read()
+        cycles = max(1, self.timed)
         return counts | {
-            "draft_ms": round(drafting * 1e3 / cycles, 3),  # a cycle's drafts and their cut
-            "verify_ms": round(verifying * 1e3 / cycles, 3),  # its verifying forward
-            "verification_share": round(verifying / (drafting + verifying), 4) if self.marks else None,
+            "drafts_per_cycle": round(self.drafted / cycles, 2),
+            "draft_ms": round(self.drafting * 1e3 / cycles, 3),  # a cycle's drafts and their cut
+            "verify_ms": round(self.verifying * 1e3 / cycles, 3),  # its verifying forward
+            "verification_share": round(self.verifying / (self.drafting + self.verifying), 4) if self.timed else None,
         }
 
 
@@ -83,10 +109,10 @@ def cycles(model, cache, argument: str, step, emit, mask, position: torch.Tensor
     (B,): the latest token, not yet cached, to go at ``position`` (B, 1) + 1; ``mask`` (B, T): the attention mask
     of the tokens so far, which end with ``token``."""
     verified = cache.verified = Verified(token.device)
-    drafts_per_cycle = cache.config.draft_tokens
     while True:
+        drafts = cache.config.draft_tokens or verified.adapted()  # 0: adaptive
         # at least one draft: a forward of one token would be a decode step, over the policy's selection
-        k = max(1, min(drafts_per_cycle, emit.max_length - emit.input_ids.shape[1] - 1))
+        k = max(1, min(drafts, emit.max_length - emit.input_ids.shape[1] - 1))
         drafts, drafted, at, start = [], token, position, verified.mark()
         for _ in range(k):
             at = at + 1

@@ -266,6 +266,10 @@ class Engine:
         than this one, a prompt the context cannot hold, a run the memory plan cannot fit."""
         if ask.model != self.name:
             raise RequestError(f"model {ask.model!r} is not served here: {self.name!r} is", "model", 404)
+        if self.config.exact and ask.sampling.temperature > 0:  # the API's default temperature is 1
+            raise RequestError(
+                "this server decodes exactly (--exact), which is greedy: send temperature 0", "temperature"
+            )
         ids = self.prompt_ids(ask)
         if not ids:
             raise RequestError("the prompt has no tokens", "prompt")

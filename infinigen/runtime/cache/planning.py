@@ -11,7 +11,8 @@ settings (its layers are made again: no KV is stored yet).
 
 Every later forward is checked against the plan before it allocates (``check_forward``, from the decoder
 stack's pre-hook): a host comparison while the run stays within the planned sizes; a run that outgrows
-them (transformers' chunked prefill, a decode loop that did not say its length) is planned again with
+them (transformers' chunked prefill, a decode loop that did not say its length; exact decoding's verifications
+count as decode steps) is planned again with
 the settings running, and refused in one line where it no longer fits. A forward of more prompt tokens
 at once than the plan fits is refused in one line naming ``infinigen.decode`` and the chunk that fits.
 """
@@ -23,7 +24,7 @@ from dataclasses import fields, replace
 import torch
 
 from infinigen.errors import InfinigenError
-from infinigen.runtime.config import RuntimeConfig
+from infinigen.runtime.config import MOST_DRAFTS, RuntimeConfig
 from infinigen.runtime.memory import plan
 from infinigen.runtime.memory.plan import MemoryPlan, Workload
 
@@ -58,9 +59,12 @@ def check_forward(cache, batch: int, tokens: int, mask: torch.Tensor | None) -> 
     """Before a forward of ``tokens`` tokens a row (B = ``batch``) through ``cache``: plan it where the cache
     has no plan, else check it stays within the plan (or grows it); refused in one line before anything
     is allocated where it does not fit."""
-    total = cache.get_seq_length() + tokens
-    current = cache.memory_plan
-    if current is not None and tokens == 1 and batch <= current.workload.batch and total <= current.workload.tokens:
+    held = cache.get_seq_length()
+    total, current = held + tokens, cache.memory_plan
+    # exact decoding's verification (the last token and the drafts) is decoding's, which the plan counts
+    drafts = cache.config.draft_tokens or MOST_DRAFTS  # 0: adaptive
+    step = tokens == 1 or (cache.config.exact and held > 0 and tokens <= drafts + 1)
+    if current is not None and step and batch <= current.workload.batch and total <= current.workload.tokens:
         return  # a decode step within the plan: no device work
     padded = tokens > 1 and mask is not None and mask.dim() == 2 and not bool(mask.all())
     if current is None:  # transformers' own loop: its first forward, the whole prompt unless it chunks it
@@ -69,7 +73,7 @@ def check_forward(cache, batch: int, tokens: int, mask: torch.Tensor | None) -> 
         if found.workload.chunk < tokens:
             raise InfinigenError(_chunk_refusal(found, batch, tokens))
         return
-    prefill = tokens > 1
+    prefill = not step
     context = total if prefill else current.workload.context
     own_loop = not prefill and not cache.driven  # a decode step outside a StepGraph: selection graphs per layer
     seen = Workload(batch, context, max(total - context, 0), tokens if prefill else None, padded, own_loop)
@@ -103,7 +107,7 @@ def _grown(cache, seen: Workload) -> MemoryPlan:
         tokens += max(64, tokens // 8)  # planned again once per eighth, not at every step
     chunk = max(was.chunk, seen.chunk) if context > max(was.chunk, seen.chunk) else None
     padded, layer_graphs = was.padded or seen.padded, was.layer_graphs or seen.layer_graphs
-    work = Workload(max(was.batch, seen.batch), context, tokens - context, chunk, padded, layer_graphs)
+    work = Workload(max(was.batch, seen.batch), context, tokens - context, chunk, padded, layer_graphs, was.keeps)
     found = _planned(cache, work, cache.config, cache.memory_plan.budget)
     settings = RuntimeConfig(**plan.cache_settings(found))  # as a cache runs them
     kept = _layer_settings(settings) == _layer_settings(cache.config) and found.workload.prefill_chunk == chunk
