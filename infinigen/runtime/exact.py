@@ -1,6 +1,7 @@
 """Exact answers (``RuntimeConfig.exact``): the policy drafts, the model verifies, the tokens are dense decoding's.
 
-A cycle drafts ``draft_tokens`` tokens with the policy's decode steps (CUDA graphs, a share of the rows moved),
+A cycle drafts ``draft_tokens`` tokens (0: as many as the run so far says pay best, ``Verified.adapted``) with
+the policy's decode steps (CUDA graphs, a share of the rows moved),
 cuts their KV off again (``rollback``: it was computed from selected rows), and runs one forward over the last
 token and the drafts that attends every cached row, as a prefill chunk does: its logits are the model's own at
 each of those positions, and it writes their exact KV. The longest run of drafts equal to its greedy tokens is
@@ -110,9 +111,9 @@ def cycles(model, cache, argument: str, step, emit, mask, position: torch.Tensor
     of the tokens so far, which end with ``token``."""
     verified = cache.verified = Verified(token.device)
     while True:
-        drafts = cache.config.draft_tokens or verified.adapted()  # 0: adaptive
+        wanted = cache.config.draft_tokens or verified.adapted()  # 0: adaptive
         # at least one draft: a forward of one token would be a decode step, over the policy's selection
-        k = max(1, min(drafts, emit.max_length - emit.input_ids.shape[1] - 1))
+        k = max(1, min(wanted, emit.max_length - emit.input_ids.shape[1] - 1))
         drafts, drafted, at, start = [], token, position, verified.mark()
         for _ in range(k):
             at = at + 1
