@@ -15,7 +15,7 @@ import json
 import time
 
 import torch
-from real_text import smollm2_with_artifact
+from real_text import with_artifact
 
 from infinigen.runtime import cache_argument, cache_for, decode
 from infinigen.runtime.text import left_padded, pad_token_id
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    model, tokenizer, artifact = smollm2_with_artifact()
+    model, tokenizer, artifact = with_artifact()
     with open(args.book) as f:
         ids = tokenizer(f.read()[:200_000])["input_ids"]
     prompts = [ids[1000 + 8000 * i : 1000 + 8000 * i + n] for i, n in enumerate(LENGTHS)]

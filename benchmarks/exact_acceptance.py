@@ -1,12 +1,12 @@
 """Exact decoding on real text (issue: exact answers; CPU): how many of the policy's drafts the verification
 accepts, and whether the tokens are dense decoding's.
 
-SmolLM2-135M (the default model, its artifact prepared here), a PG-19 passage of ``--context`` tokens,
-``--new-tokens`` greedy tokens: dense decoding's (``policy=dense``), then ``--exact`` with the defaults at each
-``--budgets`` and ``--draft-tokens``, and the policy alone (not exact) at each budget for comparison. Reported per
-run: the first token that differs from dense decoding's (-: none), drafted and accepted tokens, acceptance,
-verifications, tokens per verification ((accepted + verifications) / verifications: what a cycle yields), and
-decode tok/s (the CPU's: not the GPU's cycle time). ``--out`` writes JSON.
+SmolLM2-135M (the default model; ``--model``: another) with its artifact prepared here, a PG-19 passage of
+``--context`` tokens, ``--new-tokens`` greedy tokens: dense decoding's (``policy=dense``), then ``--exact`` with the
+defaults at each ``--budgets`` and ``--draft-tokens``, and the policy alone (not exact) at each budget for
+comparison. Reported per run: the first token that differs from dense decoding's (-: none), drafted and accepted
+tokens, acceptance, verifications, tokens per verification ((accepted + verifications) / verifications: what a cycle
+yields), and decode tok/s (the CPU's: not the GPU's cycle time). ``--out`` writes JSON.
 
     python benchmarks/exact_acceptance.py --context 2048 --new-tokens 128 --out results/exact-acceptance.json
 """
@@ -18,13 +18,14 @@ import json
 import time
 
 import torch
-from real_text import smollm2_with_artifact
+from real_text import with_artifact
 
 from infinigen.runtime import cache_argument, cache_for, decode
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="what `infinigen generate` takes; default: SmolLM2-135M")
     parser.add_argument("--book", default="../shared/data/pg19/10146.txt")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    model, tokenizer, artifact = smollm2_with_artifact()
+    model, tokenizer, artifact = with_artifact(args.model)
     with open(args.book) as f:
         ids = torch.tensor([tokenizer(f.read()[:400_000])["input_ids"][5000 : 5000 + args.context]])
 

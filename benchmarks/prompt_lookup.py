@@ -21,7 +21,7 @@ import statistics
 import time
 
 import torch
-from real_text import smollm2_with_artifact
+from real_text import with_artifact
 
 from infinigen.runtime import cache_argument, cache_for, decode
 
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, tokenizer, artifact = smollm2_with_artifact()
+    model, tokenizer, artifact = with_artifact()
     with open(args.book) as f:
         passage = tokenizer.decode(tokenizer(f.read()[20_000:200_000])["input_ids"][: args.passage])
     ask = f"Repeat this text exactly, word for word:\n\n{passage}"
