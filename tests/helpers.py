@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from conftest import tiny_model
+from transformers import AutoConfig
 
 from infinigen.models import LoadedModel, ModelSource
 from infinigen.prepare import prepare_artifact
@@ -47,3 +48,16 @@ def teacher_forced_logits(model, ids: torch.Tensor, prefix: int, cache) -> torch
 
 def teacher_forced_argmax(model, ids: torch.Tensor, prefix: int, cache) -> torch.Tensor:
     return teacher_forced_logits(model, ids, prefix, cache).argmax(-1)
+
+
+def llama_config(hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, positions: int = 4096):
+    return AutoConfig.for_model(
+        "llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+    )

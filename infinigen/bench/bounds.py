@@ -14,13 +14,12 @@ for each row's last token.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from infinigen.runtime.memory.sizing import Model, offloaded_layer_indices
-from infinigen.runtime.memory.throughput import measured_rates
+from infinigen.runtime.memory.throughput import device_rates, measured_rates
 
 
 @dataclass(frozen=True)
@@ -31,25 +30,13 @@ class ChipRates:
 
 
 def measured(device: torch.device, dtype: torch.dtype, bus_gb_s: float | None) -> ChipRates:
-    """The rates of ``device`` in this process (``bus_gb_s``: measured already by the caller)."""
+    """The rates of ``device`` in this process (``bus_gb_s``: measured already by the caller); on the CPU from
+    a smaller copy and matmul, which take it a second."""
     if device.type == "cuda":
         rates = measured_rates(device, dtype, bus_gb_s)
         return ChipRates(rates.matmul_tflops, rates.device_gb_s, bus_gb_s)
-    matrix = torch.randn(1024, 1024).to(dtype)
-    source = torch.empty(64 << 20, dtype=torch.uint8)
-    target = torch.empty_like(source)
-    matmul = 2 * 1024**3 / _seconds(lambda: matrix @ matrix) / 1e12
-    return ChipRates(matmul, source.nbytes / _seconds(lambda: target.copy_(source)) / 1e9, None)
-
-
-def _seconds(run, repeats: int = 5) -> float:
-    """The median of ``repeats`` timed runs after one warm-up (the CPU runs synchronously)."""
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[repeats // 2]
+    read, tflops = device_rates(device, dtype, 64 << 20, 1024)
+    return ChipRates(tflops, read, None)
 
 
 def _decoder_weights(model: Model, dtype: torch.dtype) -> int:

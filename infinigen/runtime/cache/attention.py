@@ -190,8 +190,8 @@ def pool_blocks(cache, layer: OffloadedLayer, end: int, whole_from: int | None =
     ahead, layer.fetched_ahead, region = layer.fetched_ahead, None, None
     if ahead is not None and ahead[0] == end:
         _, blocks, region = ahead
-        spans = _spans(end, cache.config.prefill_block_tokens, whole_from)
         step = cache.config.prefill_block_tokens
+        spans = _spans(end, step, whole_from)
         blocks = [
             (region[:, :, lo:hi], [ready for _, ready in blocks[lo // step : -(-hi // step)]]) for lo, hi in spans
         ]

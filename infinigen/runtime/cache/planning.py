@@ -62,8 +62,8 @@ def check_forward(cache, batch: int, tokens: int, mask: torch.Tensor | None) -> 
     held = cache.get_seq_length()
     total, current = held + tokens, cache.memory_plan
     # exact decoding's verification (the last token and the drafts) is decoding's, which the plan counts
-    drafts = cache.config.draft_tokens or MOST_DRAFTS  # 0: adaptive
-    step = tokens == 1 or (cache.config.exact and held > 0 and tokens <= drafts + 1)
+    verifying = cache.config.exact and held > 0 and tokens <= (cache.config.draft_tokens or MOST_DRAFTS) + 1
+    step = tokens == 1 or verifying
     if current is not None and step and batch <= current.workload.batch and total <= current.workload.tokens:
         return  # a decode step within the plan: no device work
     padded = tokens > 1 and mask is not None and mask.dim() == 2 and not bool(mask.all())

@@ -79,13 +79,16 @@ class Candidate:
 
 def _timed(run: Callable[[], object], device: torch.device, repeats: int, before: Callable[[], None]) -> float:
     """Seconds of ``run()`` on ``device``: the median of ``repeats`` after one warm-up."""
+    cuda = device.type == "cuda"  # the CPU runs synchronously
     times = []
     for _ in range(repeats + 1):
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         before()
         start = time.perf_counter()
         run()
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -116,12 +119,17 @@ def measured_rates(device: torch.device, dtype: torch.dtype, h2d_gb_s: float | N
     if device.type != "cuda":
         return None
     h2d = h2d_gb_s if h2d_gb_s is not None else host_to_device_gb_s(device)
-    source = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    read = _copy_gb_s(source, torch.empty_like(source), 5, lambda: None)
-    tflops = _matmul_tflops(torch.randn(4096, 4096, device=device).to(dtype))
-    del source
+    read, tflops = device_rates(device, dtype)
     torch.cuda.empty_cache()
     return DeviceRates(h2d, read, tflops)
+
+
+def device_rates(device: torch.device, dtype: torch.dtype, nbytes: int = 256 << 20, square: int = 4096):
+    """(GB/s of a device-to-device copy of ``nbytes``, TFLOP/s of a ``square``-sized matmul in ``dtype``) on
+    ``device``, the CPU too."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    read = _copy_gb_s(source, torch.empty_like(source), 5, lambda: None)
+    return read, _matmul_tflops(torch.randn(square, square, device=device).to(dtype))
 
 
 def step_floor_ms(
