@@ -6,7 +6,9 @@ SmolLM2-135M (the default model; ``--model``: another) with its artifact prepare
 defaults at each ``--budgets`` and ``--draft-tokens``, and the policy alone (not exact) at each budget for
 comparison. Reported per run: the first token that differs from dense decoding's (-: none), drafted and accepted
 tokens, acceptance, verifications, tokens per verification ((accepted + verifications) / verifications: what a cycle
-yields), and decode tok/s (the CPU's: not the GPU's cycle time). ``--out`` writes JSON.
+yields), and decode tok/s (the CPU's: not the GPU's cycle time). ``--batch``: that many consecutive passages decoded
+together, which advance by the smallest run of drafts any row accepts: the acceptance is the batch's. ``--out``
+writes JSON.
 
     python benchmarks/exact_acceptance.py --context 2048 --new-tokens 128 --out results/exact-acceptance.json
 """
@@ -23,19 +25,26 @@ from real_text import with_artifact
 from infinigen.runtime import cache_argument, cache_for, decode
 
 
+def first_difference(tokens: list[int], dense: list[int]) -> int | None:
+    """The first position where a row's tokens leave dense decoding's (None: nowhere)."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, dense, strict=True)) if a != b), None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="what `infinigen generate` takes; default: SmolLM2-135M")
     parser.add_argument("--book", default="../shared/data/pg19/10146.txt")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="rows of consecutive passages, decoded together")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.05])
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model, tokenizer, artifact = with_artifact(args.model)
     with open(args.book) as f:
-        ids = torch.tensor([tokenizer(f.read()[:400_000])["input_ids"][5000 : 5000 + args.context]])
+        book = tokenizer(f.read()[:1_000_000])["input_ids"][5000:]
+    ids = torch.tensor([book[i * args.context : (i + 1) * args.context] for i in range(args.batch)])
 
     def run(**settings) -> dict:
         start = time.perf_counter()
@@ -51,7 +60,7 @@ def main() -> None:
                 **{cache_argument(model): cache},
             )
             counts = cache.verified.summary() if cache.verified is not None else {}
-        return {"tokens": out[0, ids.shape[1] :].tolist(), "seconds": time.perf_counter() - start, **counts}
+        return {"tokens": out[:, ids.shape[1] :].tolist(), "seconds": time.perf_counter() - start, **counts}
 
     dense = run(policy="dense")
     rows = []
@@ -59,8 +68,8 @@ def main() -> None:
         for draft in [None, *args.draft_tokens]:  # None: the policy alone
             settings = {"budget": budget} | ({"exact": True, "draft_tokens": draft} if draft else {})
             result = run(**settings)
-            pairs = enumerate(zip(result["tokens"], dense["tokens"], strict=True))
-            differs = next((i for i, (a, b) in pairs if a != b), None)
+            found = [first_difference(*pair) for pair in zip(result["tokens"], dense["tokens"], strict=True)]
+            differs = min((i for i in found if i is not None), default=None)  # any row's first
             row = {"budget": budget, "draft_tokens": draft, "first_difference": differs, "seconds": result["seconds"]}
             if draft:
                 per = (result["accepted"] + result["verifications"]) / result["verifications"]

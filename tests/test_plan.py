@@ -63,6 +63,25 @@ def test_the_8b_shape_weights_and_kv_counted_by_hand():
     assert exact.gpu("decode") == memory.plan(model, BF16, work, config).gpu("decode") + 2 * 8 * 2 * 28292 * 256
 
 
+def test_exact_decoding_fetches_ahead_before_it_keeps_rows_of_earlier_steps():
+    """A verification reads every row as a later chunk does, at about the bus's time where the next layer's rows
+    are fetched ahead: under --exact (8B shape, 1 x 128K, a 24 GB card, 16-bit rows) the plan keeps the fetch and
+    fewer rows of earlier steps; with the fetch not asked, the rows of the same budget stay (resident_extra 1)."""
+    model = memory.model_of(shape_config("llama-3-8b"), BF16)
+    work = memory.Workload(batch=1, context=131072, new_tokens=128, prefill_chunk=4096)
+    budget = memory.budget_bytes(24, torch.device("cpu"))
+    exact = RuntimeConfig(kv_bits=16, exact=True)
+    fetching = memory.plan(model, BF16, work, exact, budget)
+    staged = memory.plan(model, BF16, work, replace(exact, prefill_fetch_ahead=False), budget)
+    assert fetching.fits and fetching.config.prefill_fetch_ahead and fetching.config.resident_extra == 0.0
+    assert fetching.shed == ("rows of earlier steps: resident_extra 0",)
+    assert staged.fits and staged.config.resident_extra == 1.0
+    # the fetch with those rows would not fit: what the verification reads ahead is the difference
+    kept = memory.plan(model, BF16, work, replace(staged.config, prefill_fetch_ahead=True))
+    assert not replace(kept, budget=budget).fits
+    assert (fetching.config.dense_layers, fetching.workload.prefill_chunk) == (2, 4096)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt", "gemma3"])
 def test_weights_are_the_models_parameters(arch):
     """On the meta device, the plan counts what the model holds (biases, tied or untied heads, OPT's

@@ -85,3 +85,17 @@ def test_bench_profiles_a_case_on_cuda():
     assert profiles["dense"]["timeline"]["gathers_per_step"] == 0
     assert 0 < ours["memory"]["live_gb"] <= ours["memory"]["peak_gb"]
     assert any(site["site"].startswith("runtime/") for site in ours["memory"]["sites"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_profile_runs_its_case_as_the_plan_has_it():
+    """Under a GPU budget the plan halves this case's prefill chunk: its profile runs it so too (its plan, its
+    chunk), where the case as asked would prefill a chunk the budget cannot hold (one line: does not fit)."""
+    args = "--shape tiny-llama --device cuda --sizes 4x8192 --gen-len 2 --policy infinigen --gpu-memory-gb 0.81"
+    result = invoke("bench", *args.split(), "--profile", "kernels", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["results"][0]["given_up"] == "prefill chunk: 2048 tokens"
+    [profile] = report["profiles"]
+    assert "error" not in profile and profile["kernels"]

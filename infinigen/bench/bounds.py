@@ -25,7 +25,7 @@ from infinigen.runtime.memory.throughput import device_rates, measured_rates
 @dataclass(frozen=True)
 class ChipRates:
     matmul_tflop_s: float
-    memory_gb_s: float  # device memory read
+    memory_gb_s: float  # device memory traffic (``throughput.device_rates``)
     bus_gb_s: float | None  # pinned host->device; None on the CPU (nothing crosses)
 
 
@@ -35,8 +35,8 @@ def measured(device: torch.device, dtype: torch.dtype, bus_gb_s: float | None) -
     if device.type == "cuda":
         rates = measured_rates(device, dtype, bus_gb_s)
         return ChipRates(rates.matmul_tflops, rates.device_gb_s, bus_gb_s)
-    read, tflops = device_rates(device, dtype, 64 << 20, 1024)
-    return ChipRates(tflops, read, None)
+    traffic, tflops = device_rates(device, dtype, 64 << 20, 1024)
+    return ChipRates(tflops, traffic, None)
 
 
 def _decoder_weights(model: Model, dtype: torch.dtype) -> int:

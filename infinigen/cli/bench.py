@@ -222,7 +222,7 @@ def bench(
     if throughput:
         report["throughput_plan"] = [auto_batch.measured_run(plan, results) for plan in throughput]
     if profiles:
-        report["profiles"] = _profiled(subject, artifacts, cases, profiles, as_json)
+        report["profiles"] = _profiled(subject, artifacts, cases, profiles, as_json, budget)
     if plot is not None:
         report["plot"] = str(plot_bench(report, plot))
     if not printed_json(report, as_json):
@@ -314,17 +314,27 @@ def _run(
     return [with_bound(row, rates) for row in rows[0]], rows[1]
 
 
-def _profiled(subject, artifacts: dict, cases: list, profiles: tuple[str, ...], as_json: bool) -> list[dict]:
+def _profiled(subject, artifacts: dict, cases: list, profiles: tuple[str, ...], as_json: bool, budget) -> list[dict]:
+    """Each case profiled as the sweep ran it: under its memory plan (its prefill chunk, its settings)."""
+    import dataclasses
     import functools
 
-    from infinigen.bench.profiles import profile_case
+    from infinigen.bench.profiles import STEPS, profile_case
     from infinigen.bench.runs import case_label, unless_out_of_memory
+    from infinigen.bench.sweep import planned_case
 
     rows = []
     with progress(disable=as_json) as bar:
         running = bar.add_task("profiles", total=len(cases))
-        for done, case in enumerate(cases):
-            bar.update(running, description=f"{case_label(case)}, profile", completed=done)
+        for done, asked in enumerate(cases):
+            bar.update(running, description=f"{case_label(asked)}, profile", completed=done)
+            # planned for the steps profiled after the timed ones too: the cache must not outgrow its plan
+            longer = dataclasses.replace(asked, gen_len=asked.gen_len + STEPS)
+            planned, refused, _ = planned_case(subject.model, longer, budget)
+            if refused is not None:
+                rows.append(refused)
+                continue
+            case = dataclasses.replace(planned, gen_len=asked.gen_len)
             run = functools.partial(
                 profile_case, subject.model, artifacts[case.ratio], case, profiles, subject.text_ids
             )

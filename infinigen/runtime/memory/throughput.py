@@ -41,7 +41,7 @@ class DeviceRates:
     """What a step's time is estimated from, measured on the device."""
 
     h2d_gb_s: float  # one large pinned host->device copy
-    device_gb_s: float  # device memory read (a device-to-device copy's bytes read)
+    device_gb_s: float  # device memory traffic: a device-to-device copy's bytes read and written
     matmul_tflops: float  # one large matmul in the run's dtype
 
 
@@ -125,11 +125,12 @@ def measured_rates(device: torch.device, dtype: torch.dtype, h2d_gb_s: float | N
 
 
 def device_rates(device: torch.device, dtype: torch.dtype, nbytes: int = 256 << 20, square: int = 4096):
-    """(GB/s of a device-to-device copy of ``nbytes``, TFLOP/s of a ``square``-sized matmul in ``dtype``) on
-    ``device``, the CPU too."""
+    """(GB/s of memory traffic: a device-to-device copy of ``nbytes``, which reads and writes each byte; TFLOP/s of
+    a ``square``-sized matmul in ``dtype``) on ``device``, the CPU too. A step reads its weights and KV: at the
+    traffic's rate (a dense step over 33 GB took 12.7 ms on an H200, where the copy's bytes one way gave 1.9 TB/s)."""
     source = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    read = _copy_gb_s(source, torch.empty_like(source), 5, lambda: None)
-    return read, _matmul_tflops(torch.randn(square, square, device=device).to(dtype))
+    traffic = 2 * _copy_gb_s(source, torch.empty_like(source), 5, lambda: None)
+    return traffic, _matmul_tflops(torch.randn(square, square, device=device).to(dtype))
 
 
 def step_floor_ms(
