@@ -22,6 +22,21 @@ from serving import PROMPTS, asked, client, in_threads, serving, solo  # noqa: E
 from infinigen.serve.engine import Engine  # noqa: E402
 
 
+def test_kept_prompts_more_than_the_host_has_are_refused_in_one_line(tiny_engine, monkeypatch):
+    """A prompt cache larger than the host memory free now is refused before any request; the default is half of
+    it, and one that fits is the budget asked."""
+    from infinigen.errors import InfinigenError
+    from infinigen.runtime.memory import plan as memory
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 8_000_000_000)
+    model, tokenizer, artifact = tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact
+    refused = r"prompt_cache_gb 9 is more than the host memory available now \(8.0 GB\)"
+    with pytest.raises(InfinigenError, match=refused):
+        Engine(model, tokenizer, artifact, {"prompt_cache_gb": 9}, "tiny")
+    assert Engine(model, tokenizer, artifact, {"prompt_cache_gb": 4}, "tiny").prompts.budget == 4_000_000_000
+    assert Engine(model, tokenizer, artifact, {}, "tiny").prompts.budget == 4_000_000_000
+
+
 def test_a_kept_prompt_serves_the_next_question_with_the_cold_tokens(tiny_engine):
     model, tokenizer, artifact = tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact
     kept = Engine(model, tokenizer, artifact, {"prompt_cache_gb": 1, "block_tokens": 16}, "tiny", prefill_chunk=16)

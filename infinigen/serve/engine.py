@@ -439,8 +439,15 @@ class Engine:
 
 
 def _prompt_cache(gb: float | None) -> PromptCache | None:
-    """The server's kept prompts: ``gb`` GB of host memory, by default half of what the host has free now, none at 0."""
+    """The server's kept prompts: ``gb`` GB of host memory, by default half of what the host has free now, none at 0;
+    more than the host has free is refused in one line. A request's pool comes first: kept prompts are evicted for
+    it where the host cannot hold both (``Engine.admit``)."""
+    available = memory.host_available_bytes()
     if gb is None:
-        available = memory.host_available_bytes()
         return PromptCache(None if available is None else available / 2 / 1e9)
+    if available is not None and gb * 1e9 > available:
+        raise InfinigenError(
+            f"prompt_cache_gb {gb:g} is more than the host memory available now ({memory.gb(available)} GB): "
+            "give less, or 0 to keep no prompts"
+        )
     return PromptCache(gb) if gb > 0 else None
