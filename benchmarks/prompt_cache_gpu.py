@@ -6,12 +6,14 @@ infinigen.decode)`` on a fresh ``infinigen.cache_for(model)``:
 - ``cold``: no kept prompts (the first ``--cold`` questions), in the prefill chunks a run with kept prompts
   takes (``config.KEPT_CHUNK``: the same settings);
 - ``keep``: the first question with a ``PromptCache`` (the cold run that keeps its prompt);
+- ``cut``: the first ``--cold`` questions from the document alone, kept whole: a cold run whose prefill stops at the
+  document's end (the chunk boundaries of a warm run, which cuts the kept question off there);
 - ``warm``: every question again from the kept prompt (host memory);
 - ``file``: the kept prompt saved (``save_prompt``), evicted from the page cache (``posix_fadvise``), its raw
   read bandwidth measured, then loaded (``load_prompt``) into a new ``PromptCache`` and a question answered.
 
 Each row: the first token (s), the whole answer (s), the tokens served from the kept prompt, whether the
-tokens equal the cold run's. Warm-up first (Triton's compilation, the first captures). Prints a table;
+tokens equal the cold run's and the cut one's. Warm-up first (Triton's compilation, the first captures). Prints a table;
 ``--out`` writes JSON.
 
     python benchmarks/prompt_cache_gpu.py --gpu-memory-gb 24 --context 131008 --question 64 --out prompts.json
@@ -101,8 +103,9 @@ def main() -> None:
     rows = []
 
     def row(kind: str, i: int, result: dict) -> None:
-        cold = next((r for r in rows if r["kind"] == "cold" and r["question"] == i), None)
-        result["equal_to_cold"] = None if cold is None else result["tokens"] == cold["tokens"]
+        for reference in ("cold", "cut"):
+            same = next((r for r in rows if r["kind"] == reference and r["question"] == i), None)
+            result[f"equal_to_{reference}"] = None if same is None else result["tokens"] == same["tokens"]
         rows.append({"kind": kind, "question": i} | result)
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}), flush=True)
 
@@ -110,6 +113,13 @@ def main() -> None:
         row("cold", i, answer(model, artifact, asked[i], args.new_tokens, None))
     prompts = PromptCache()
     row("keep", 0, answer(model, artifact, asked[0], args.new_tokens, prompts))
+    alone = PromptCache()
+    answer(model, artifact, document.cuda(), 1, alone)
+    for i in range(args.cold):
+        whole = PromptCache()  # the document alone: the kept question must not serve it
+        whole.add(alone.newest)
+        row("cut", i, answer(model, artifact, asked[i], args.new_tokens, whole))
+    del alone, whole
     for i in range(args.questions):
         row("warm", i, answer(model, artifact, asked[i], args.new_tokens, prompts))
     kept = prompts.newest
@@ -155,11 +165,11 @@ def main() -> None:
         "questions_speedup": round(ten_cold / ten_warm, 2),
     }
     print(f"\n{args.shape}, {args.gpu_memory_gb:g} GB held, {meta['device']}; {args.context} + {args.question} tokens")
-    print(f"{'kind':>5} {'q':>3} {'first s':>8} {'answer s':>9} {'cached':>7} {'peak':>7} {'plan':>7} equal")
+    print(f"{'kind':>5} {'q':>3} {'first s':>8} {'answer s':>9} {'cached':>7} {'peak':>7} {'plan':>7} cold cut")
     for r in rows:
         print(
             f"{r['kind']:>5} {r['question']:>3} {r['first_token_s']:>8} {r['answer_s']:>9} {r['cached_tokens']:>7} "
-            f"{r['peak_gpu_gb']:>7} {r['planned_peak_gpu_gb']:>7} {r['equal_to_cold']}"
+            f"{r['peak_gpu_gb']:>7} {r['planned_peak_gpu_gb']:>7} {r['equal_to_cold']} {r['equal_to_cut']}"
         )
     print(json.dumps(meta, indent=1))
     print(f"file row: first token {file_row['first_token_s']} s (load {file_row['load_s']} s)")

@@ -128,3 +128,38 @@ def test_a_padded_batch_peaks_within_the_plan(tokenizer, policy):
         generate_ids(model, tokenizer, prompts, cache, max_new_tokens=4, prefill_chunk=1024)
     measured = torch.cuda.max_memory_allocated()
     assert measured <= planned.peak_gpu <= 1.25 * measured, (planned.peak_gpu, measured)
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("policy", ["full", "infinigen"])
+def test_a_kept_prompts_warm_run_peaks_within_its_plan(policy):
+    """A question about a kept 16K document (a server's second question): restoring the kept prompt's GPU parts
+    (the dense layers' KV, the partial keys) and prefilling only the question never exceed the plan the run was
+    admitted with, which the cold run that kept it measured within 10% of."""
+    import infinigen
+    from infinigen.bench.shapes import random_artifact
+    from infinigen.runtime import cache_argument
+
+    config = llama_config(hidden=1024, layers=8, heads=8, kv_heads=4, mlp=4096, vocab=32000, positions=32768)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=BF16).eval()
+    artifact = random_artifact(model, "test", 0.5) if policy == "infinigen" else None
+    generator = torch.Generator().manual_seed(0)
+    document = torch.randint(1, 32000, (1, 16384), generator=generator)
+    prompts = infinigen.PromptCache()
+
+    def run(question: torch.Tensor) -> tuple[int, int, int]:
+        ids = torch.cat([document, question], dim=1).cuda()
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with infinigen.cache_for(model, artifact, prompts=prompts, policy=policy) as cache, torch.no_grad():
+            kwargs = {cache_argument(model): cache, "custom_generate": infinigen.decode, "prefill_chunk_size": 4096}
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, **kwargs)
+            return cache.reused_tokens, cache.memory_plan.peak_gpu, torch.cuda.max_memory_allocated()
+
+    cached, planned, measured = run(torch.randint(1, 32000, (1, 64), generator=generator))
+    assert cached == 0 and abs(planned / measured - 1) <= 0.10, (planned, measured)
+    cached, planned, measured = run(torch.randint(1, 32000, (1, 64), generator=generator))
+    assert cached == 16384 and measured <= planned, (planned, measured)

@@ -1,6 +1,7 @@
 """Kept prompts: a prompt that starts with a kept one computes only the rest and ends in the state a cold run
-reaches (every tensor bit for bit, every policy), in memory and through a prompt file; the cache's budget and
-eviction order; every damaged or foreign prompt file refused in one line; a save that dies leaves the old file."""
+reaches (every tensor bit for bit where the cut is a chunk boundary of both, to rounding inside a chunk; every
+policy), in memory and through a prompt file; the cache's budget and eviction order; every damaged or foreign
+prompt file refused in one line; a save that dies leaves the old file."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from helpers import tiny_setup
 
 import infinigen
 from infinigen.errors import InfinigenError
+from infinigen.runtime.cache.kept import keep
 from infinigen.runtime.cache.prompt_file import PromptFileError, check_prompt, load_prompt, save_prompt
 from infinigen.runtime.cache.prompts import PromptCache
+from infinigen.runtime.generation import prefill
 
-CHUNK = 32  # the prefill chunk: a kept prompt serves whole chunks of it
+CHUNK = 32  # the prefill chunk
 SETTINGS = dict(block_tokens=16)
 
 
@@ -55,6 +58,34 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(*bits), name
 
 
+def assert_close(a: dict, b: dict, used: int) -> None:
+    """The states of two runs over their first ``used`` slots (past them: unused), floats to rounding."""
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = (t[:, :, :used] if t.dim() > 2 else t for t in (a[name], b[name]))
+        if x.is_floating_point():
+            finite = x.isfinite()
+            assert torch.equal(finite, y.isfinite()), name
+            torch.testing.assert_close(x[finite], y[finite], atol=1e-4, rtol=1e-4, msg=name)
+        else:
+            assert torch.equal(x, y), name
+
+
+def cut_cold(model, artifact, prompt, at: int, **settings) -> tuple[list[int], dict]:
+    """A run without kept prompts whose prefill stops at token ``at`` and goes on from there (in chunks ending
+    at multiples of CHUNK, as the rest of a served prompt): its tokens, and its state after the prompt."""
+    mask, settings = torch.ones_like(prompt), SETTINGS | settings
+    with torch.no_grad(), infinigen.cache_for(model, artifact, **settings) as cache:
+        prefill(model, cache, prompt[:, :at], mask[:, :at], CHUNK)
+        prefill(model, cache, prompt, mask, CHUNK, start=at)
+        cold = state(keep(cache, prompt[0]))
+    with torch.no_grad(), infinigen.cache_for(model, artifact, **settings) as cache:
+        prefill(model, cache, prompt[:, :at], mask[:, :at], CHUNK)
+        out = model.generate(prompt, attention_mask=mask, past_key_values=cache, custom_generate=infinigen.decode,
+                             max_new_tokens=6, do_sample=False, prefill_chunk_size=CHUNK, pad_token_id=1)  # fmt: skip
+    return out[0, prompt.shape[1] :].tolist(), cold
+
+
 @pytest.mark.parametrize("policy", ["dense", "full", "infinigen", "quest", "oracle", "int4"])
 def test_a_kept_prefix_gives_the_cold_state_and_tokens(setup, policy):
     model, artifact = setup
@@ -74,30 +105,44 @@ def test_a_kept_prefix_gives_the_cold_state_and_tokens(setup, policy):
 
 
 def test_a_conversation_prefills_each_new_turn_only(setup):
-    model, artifact = setup
+    model, artifact = setup  # each turn served whole: a cold run's tokens and state cut where the turn began
     turns = [ids(0, 2 * CHUNK), ids(1, CHUNK), ids(2, CHUNK + 5), ids(3, CHUNK)]
     prompts, previous = PromptCache(), 0
     for i in range(1, len(turns)):
         prompt = torch.cat(turns[: i + 1], dim=1)
         tokens, cached = answer(model, artifact, prompt, prompts, policy="infinigen")
-        assert cached == min(previous, prompt.shape[1] - 1) // CHUNK * CHUNK  # the earlier turns, in whole chunks
-        cold = PromptCache()
-        assert (tokens, 0) == answer(model, artifact, prompt, cold, policy="infinigen")
-        assert_same(state(prompts.newest), state(cold.newest))
+        assert cached == previous
+        if previous:
+            cold_tokens, cold = cut_cold(model, artifact, prompt, previous, policy="infinigen")
+            assert tokens == cold_tokens
+            assert_same(state(prompts.newest), cold)
         previous = prompt.shape[1]
 
 
-def test_a_cut_falls_on_whole_pool_blocks_too(setup):
-    model, artifact = setup  # a cut block would keep the longer prompt's rows and state past the cut
-    prefix = ids(0, 3 * CHUNK)
-    prompts, blocks = PromptCache(), dict(block_tokens=2 * CHUNK)
-    answer(model, artifact, torch.cat([prefix, ids(1, 20)], dim=1), prompts, **blocks)
-    second = torch.cat([prefix, ids(2, 20)], dim=1)
-    tokens, cached = answer(model, artifact, second, prompts, **blocks)
-    assert cached == 2 * CHUNK  # 3 chunks in common, 1 whole block of 2 chunks
-    cold = PromptCache()
-    assert tokens == answer(model, artifact, second, cold, **blocks)[0]
-    assert_same(state(prompts.newest), state(cold.newest))
+@pytest.mark.parametrize("policy", ["dense", "full", "infinigen", "quest", "oracle", "int4"])
+def test_a_cut_inside_a_chunk_serves_the_common_prefix(setup, policy):
+    model, artifact = setup  # the kept rows of the cut chunk were computed in a longer forward: equal to rounding
+    prefix = ids(0, 2 * CHUNK + 10)
+    first, second = (torch.cat([prefix, ids(seed, 20)], dim=1) for seed in (1, 2))
+    prompts = PromptCache()
+    answer(model, artifact, first, prompts, policy=policy)
+    tokens, cached = answer(model, artifact, second, prompts, policy=policy)
+    paged = policy == "quest"  # its page bounds: cut on whole pool blocks
+    assert cached == (2 * CHUNK if paged else prefix.shape[1])
+    cold_tokens, cold = cut_cold(model, artifact, second, cached, policy=policy)
+    assert tokens == cold_tokens
+    (assert_same if paged else assert_close)(state(prompts.newest), cold, *([] if paged else [second.shape[1]]))
+    assert tokens == answer(model, artifact, second, None, policy=policy)[0]  # a cold run's, not cut
+
+
+def test_8_bit_rows_are_cut_past_their_first_chunk_only(setup):
+    model, artifact = setup  # a row's channel factors come from its first chunk, later tokens of it included
+    for length, served in ((CHUNK - 6, 0), (CHUNK + 6, CHUNK + 6)):
+        prefix = ids(0, length)
+        prompts = PromptCache()
+        answer(model, artifact, torch.cat([prefix, ids(1, 60)], dim=1), prompts, policy="full", kv_bits=8)
+        assert prompts.newest.usable(torch.cat([prefix, ids(2, 20)], dim=1)[0]) == served
+    assert answer(model, artifact, torch.cat([prefix, ids(1, 60), ids(3, 4)], dim=1), prompts, policy="full")[1] == 98
 
 
 def test_h2o_serves_only_prompts_that_extend_it_whole(setup):
@@ -117,7 +162,7 @@ def test_other_settings_find_nothing(setup):
     answer(model, artifact, prompt, prompts, policy="full")
     assert answer(model, artifact, prompt, prompts, policy="full", kv_bits=16)[1] == 0
     assert answer(model, artifact, prompt, prompts, policy="infinigen")[1] == 0
-    assert answer(model, artifact, prompt, prompts, policy="full")[1] == 2 * CHUNK
+    assert answer(model, artifact, prompt, prompts, policy="full")[1] == prompt.shape[1] - 1  # all but the last
 
 
 def test_the_budget_evicts_the_least_recently_used(setup):
@@ -212,7 +257,7 @@ def test_generate_prompt_cache_across_runs(prepared, tokenizer, tmp_path):
     warm = run(second, "--prompt-cache", str(path))
     assert warm["stats"]["cached_tokens"] == 128 and warm["outputs"] == cold["outputs"]
     shown = invoke("inspect", str(path), "--json")
-    assert shown.exit_code == 0 and json.loads(shown.output)["tokens"] == 128  # kept: the new one would serve no more
+    assert shown.exit_code == 0 and json.loads(shown.output)["tokens"] == 131  # the new prompt, which serves more
     refused = invoke(*base, "--prompt", "a new story", "--prompt-cache", str(path))
     assert refused.exit_code == 2 and "does not start with" in refused.output and "Traceback" not in refused.output
     other = invoke(*base, "--prompt-file", str(second), "--prompt-cache", str(path), "--kv-bits", "16")

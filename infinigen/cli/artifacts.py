@@ -134,7 +134,7 @@ def _inspect_prompt_file(path: Path, as_json: bool) -> None:
     shown = {
         "tokens": kept.length,
         "bytes": path.stat().st_size,
-        "serves": "any common prefix in whole chunks" if kept.cuttable else "prompts that extend it whole",
+        "serves": "any common prefix" if kept.cuttable else "prompts that extend it whole",
         "layer kinds": ", ".join(f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds)),
         **kept.key,
         "format_version": manifest["version"],

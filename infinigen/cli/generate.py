@@ -184,12 +184,11 @@ def _save_prompt_file(path: Path, cache, stats: dict) -> None:
     from infinigen.runtime.cache.prompt_file import save_prompt
 
     kept = cache.prompts.newest
-    unit = kept.key["prefill_chunk"] if kept is not None else None
-    if unit and cache.reused_tokens < kept.length // unit * unit:
+    if kept is None:  # a prompt shorter than a pool block is not kept
+        block = cache.config.block_tokens
+        err_console.print(f"{path} not written: the prompt is shorter than one pool block ({block} tokens)")
+    elif cache.reused_tokens < kept.length:
         stats["prompt_file_bytes"] = save_prompt(kept, path)
-    elif kept is None or not unit:  # a prompt file serves whole prefill chunks
-        chunk = cache.prefill_chunks[1] if cache.prefill_chunks else None
-        err_console.print(f"{path} not written: the prompt is shorter than one prefill chunk ({chunk} tokens)")
 
 
 def _templated(prompts: list[str], tokenizer, chat: bool) -> list[str]:

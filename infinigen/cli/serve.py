@@ -27,7 +27,7 @@ def serve(
         str | None, typer.Option(help="The model's name in the API (default: MODEL as given, or smollm2-135m).")
     ] = None,
     prefill_chunk: Annotated[
-        int, typer.Option(help="Prefill in chunks of this many tokens where prompts are kept (they serve whole ones).")
+        int, typer.Option(help="Prefill in chunks of this many tokens where prompts are kept.")
     ] = KEPT_CHUNK,
     max_batch: Annotated[
         int, typer.Option(help="Most requests decoded together (fewer where the memory plan admits fewer).")

@@ -149,7 +149,7 @@ def decode(
         exact.check(model, cache, generation_config)
     cache.expect(generation_config.max_length)  # the prompt and every new token (generate has set it)
     # the whole run planned before the prefill: its chunk the plan's where none or a larger one is asked (with
-    # kept prompts, which serve whole chunks, ``KeptPrompt.usable``, the one its plan has, else ``KEPT_CHUNK``)
+    # kept prompts, whose key holds it, the one its plan has, else ``KEPT_CHUNK``)
     asked = getattr(generation_config, "prefill_chunk_size", None)
     if asked is None and cache.prompts is not None:  # the chunk its plan has, as the prompt key says
         asked = (cache.memory_plan.workload.prefill_chunk if cache.memory_plan is not None else None) or KEPT_CHUNK
@@ -164,12 +164,12 @@ def decode(
         if kept is not None:
             restore(cache, kept, served)
     logits = prefill(model, cache, input_ids, mask, chunk, start=cache.get_seq_length())
-    if keeps:
+    emit = Emitter(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+    token = emit(logits)
+    if keeps:  # after the first token is out (its copies are not on its path), before a step appends
         cache.prompts.add(keep(cache, input_ids[0]))
     step = StepGraph(model, cache)
     position = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)  # (B, 1) of the last prompt token
-    emit = Emitter(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
-    token = emit(logits)
     if cache.config.exact and token is not None:  # drafted by the policy, verified over every row
         mask = torch.cat([mask, torch.ones_like(token)[:, None]], dim=1)  # the prompt's and the token's
         exact.cycles(model, cache, cache_argument(model), step, emit, mask, position, token)

@@ -14,8 +14,8 @@ memory whatever happened. A batch that fails runs its rows again alone where non
 the request at fault gets the error.
 
 Prompts are kept across requests in host memory (``PromptCache``, ``--prompt-cache-gb``): a request whose prompt
-starts with a kept one (a document asked about again, a conversation's earlier turns) computes only the rest,
-in the chunks a cold run has (the same tokens); its usage says how many came from the cache. Such a request,
+starts with a kept one (a document asked about again, a conversation's earlier turns) computes only the rest
+(``KeptPrompt.usable``: the cold run's tokens); its usage says how many came from the cache. Such a request,
 and one long enough to be kept (over one prefill chunk), runs alone and keeps its prompt: a batch's rows are
 not kept, and a long prompt's prefill gains little from company. Shorter prompts batch. Where the host cannot
 hold a request's pool beside the kept prompts, the least recently used go first.
@@ -171,7 +171,7 @@ class Engine:
         max_batch: int = MAX_BATCH,
         prompt_dir: Path | None = None,
     ) -> None:
-        """``prefill_chunk``: the prefill's chunk where prompts are kept (they serve whole chunks of it);
+        """``prefill_chunk``: the prefill's chunk where prompts are kept (a cold run's and the rest's boundaries);
         ``max_batch``: the most requests decoded together; ``prompt_dir``: where kept prompts are read from at
         start and written to at shutdown (``save_prompts``)."""
         if max_batch < 1:
@@ -290,9 +290,9 @@ class Engine:
 
     def _plan(self, prompts: list[list[int]], new_tokens: int, keeps: bool) -> memory.MemoryPlan:
         """The plan of a batch of ``prompts`` (left-padded to the longest) for ``new_tokens`` each: with kept
-        prompts in chunks of ``prefill_chunk`` (a kept prompt serves whole chunks; a batched row has the chunks
-        it has alone), else the prompt in one forward where it fits (the fastest); the plan's chunks where they
-        must be smaller."""
+        prompts in chunks of ``prefill_chunk`` (the rest of a served prompt ends its chunks where a cold run
+        does; a batched row has the chunks it has alone), else the prompt in one forward where it fits (the
+        fastest); the plan's chunks where they must be smaller."""
         chunk = self.prefill_chunk if self.prompts is not None else None
         lengths = {len(ids) for ids in prompts}
         work = memory.Workload(len(prompts), max(lengths), new_tokens, chunk, len(lengths) > 1, keeps=keeps)

@@ -9,16 +9,20 @@ appends, and a limited pool, which overwrites, keeps nothing), the last partial 
 parts as host copies. ``restore`` gives a new cache the first ``length`` tokens of it: the full blocks lent,
 a partial one copied (the new cache appends to it), the GPU parts copied back.
 
-A kept prompt serves the longest common prefix in whole prefill chunks (``usable``): the rest is then computed
-in the chunks a cold run has, from the rows a cold run computes, so the tokens are the cold run's. It is cut
-to that prefix, since every slot's state depends only on its token and the earlier ones, except where a
+A kept prompt serves the longest common prefix (``usable``), cut where it ends, since every slot's state depends
+only on its token and the earlier ones; the rest is computed in chunks ending where a cold run's do. Where the cut
+falls on a chunk boundary of the kept prompt's own prefill (and always for the prompt it extends whole), the
+result is a cold run's bit for bit. Inside one of its chunks, the served rows were computed in a longer forward
+than a cold run would split there, so the rest matches a cold run cut at the same token to rounding (the
+tokens are the cold run's wherever rounding does not decide them; tests/test_prompt_cache.py). Not cut: where a
 policy accumulates what later queries attend to (h2o's scores) or a sliding window has moved past the cut:
-such a kept prompt serves only prompts that extend it whole (a conversation's next turn).
+such a kept prompt serves only prompts that extend it whole (a conversation's next turn). A paged policy's
+(Quest's) cut falls on whole pool blocks: a page bound past the cut would hold later tokens' keys. 8-bit rows'
+channel factors come from a row's first chunk: a cut inside it would leave the later tokens in them.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -28,6 +32,7 @@ from infinigen.errors import InfinigenError
 from infinigen.runtime.cache.layers import DenseLayer, OffloadedLayer
 from infinigen.runtime.cache.sliding import SlidingLayer
 from infinigen.runtime.memory.host_memory import HostBlocks, retire
+from infinigen.runtime.selection.policies import policy_class
 
 
 @dataclass
@@ -74,22 +79,23 @@ class KeptPrompt:
         return sum(self.held().values())
 
     def usable(self, tokens: torch.Tensor) -> int:
-        """How many of ``tokens`` (N,) this prompt serves: their common prefix in whole prefill chunks (the
-        key's ``prefill_chunk``), at most N - 1 (the last prompt token's logits start the decoding). In whole
-        chunks, the rest is prefilled in the chunks a cold run has, from the rows a cold run computes: the
-        same tokens. Shorter than itself only where it is ``cuttable``, and in whole pool blocks too (a cut
-        block would keep later tokens' state)."""
-        unit = self.key.get("prefill_chunk")
+        """How many of ``tokens`` (N,) this prompt serves: their common prefix, at most N - 1 (the last prompt
+        token's logits start the decoding); the whole prompt where they extend it, else only where it is
+        ``cuttable``, on whole pool blocks for a paged policy, and past its first chunk with 8-bit rows (the
+        module's docstring says why)."""
         n = min(self.length, tokens.numel() - 1)
-        if not unit or n <= 0:
+        if n <= 0:
             return 0
         tokens = tokens.cpu()
         differs = (self.tokens[:n] != tokens[:n]).nonzero()
         common = int(differs[0]) if differs.numel() else n
-        if common == self.length and common % unit == 0:
+        if common == self.length:
             return common
-        cut = math.lcm(unit, self.block_tokens)
-        return common // cut * cut if self.cuttable else 0
+        first_chunk = self.key.get("prefill_chunk") or self.length
+        if not self.cuttable or (self.key.get("kv_bits") == 8 and common < first_chunk):
+            return 0
+        unit = self.block_tokens if policy_class(self.key["policy"]).paged else 1
+        return common // unit * unit
 
 
 def keep(cache, tokens: torch.Tensor) -> KeptPrompt:
@@ -217,6 +223,7 @@ def _restore_offloaded(cache, layer: OffloadedLayer, state: LayerState, kept: Ke
     factors = state.tensors.get("factors")
     pool.adopt(state.blocks[:full], kept, own, scales, None if factors is None else factors.to(layer.device))
     layer.valid = _cut(state.tensors["valid"], kept_capacity, capacity, layer.device)
+    layer.valid[:, :, length:] = False  # the kept prompt's later tokens in a cut block: unused slots
     for name, value in state.tensors.items():
         if name.startswith("policy."):
             setattr(layer.policy, name.removeprefix("policy."), _cut(value, kept_capacity, capacity, layer.device))

@@ -1,14 +1,14 @@
 """``PromptCache``: kept prompts (``cache.kept``) in host memory across runs, found by a hash chain over
-whole prefill chunks of tokens (what a kept prompt serves), least recently used evicted beyond a byte budget.
+blocks of ``HASHED_TOKENS`` tokens, least recently used evicted beyond a byte budget.
 
     prompts = infinigen.PromptCache(gb=16)
     for question in questions:  # one long document: its KV is computed once
         cache = infinigen.cache_for(model, artifact, prompts=prompts)
         model.generate(document + question, past_key_values=cache, custom_generate=infinigen.decode)
 
-A chain hash names each prefix of whole chunks: chunk j's hash covers the key (model, artifact, settings:
+A chain hash names each prefix of whole blocks: block j's hash covers the key (model, artifact, settings:
 ``prompt_key``) and every token up to the end of block j, so one lookup per block finds the kept prompts
-that share a prompt's first j chunks; the tokens themselves are then compared (``KeptPrompt.usable``).
+that share a prompt's first j blocks; the tokens themselves then say how much one serves (``KeptPrompt.usable``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ STATE_FIELDS = (
     "prefill_block_tokens",
     "partial_key_bits",
 )
+HASHED_TOKENS = 16  # each link of the chain (vLLM's block): a lookup hashes 8,192 links at 128K, in 4 ms
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its fingerprint, read once
 
 
@@ -52,7 +53,7 @@ def model_fingerprint(model) -> str:
 def prompt_key(cache) -> dict:
     """What a cache's kept prompts depend on: the model (its q/k fingerprint, dtype, layers), the artifact
     (its tensors' checksum), the settings of ``STATE_FIELDS`` and the row format as they run, and the prefill
-    chunk of its memory plan (a kept prompt serves whole chunks of it: ``KeptPrompt.usable``)."""
+    chunk of its memory plan (the rest of a served prompt is computed in chunks ending where a cold run's do)."""
     model = cache.model_ref()
     if model is None:
         raise InfinigenError("this cache's model is gone")
@@ -67,11 +68,6 @@ def prompt_key(cache) -> dict:
         **settings,
         "prefill_chunk": cache.memory_plan.workload.prefill_chunk if cache.memory_plan is not None else None,
     }
-
-
-def _unit(key: dict) -> int:
-    """The tokens a kept prompt of ``key`` serves a multiple of (``KeptPrompt.usable``): what the chain hashes."""
-    return key["prefill_chunk"] or key["block_tokens"]
 
 
 def block_hashes(key: dict, tokens: torch.Tensor, block_tokens: int) -> list[bytes]:
@@ -136,7 +132,7 @@ class PromptCache:
         serves (0: none); a hit becomes the most recently used."""
         best, served = None, 0
         if self.entries:
-            hashes = block_hashes(key, tokens, _unit(key))
+            hashes = block_hashes(key, tokens, HASHED_TOKENS)
             for j in range(len(hashes) - 1, -1, -1):
                 for kept in (self.entries[i] for i in self.index.get(hashes[j], ())):
                     n = kept.usable(tokens)
@@ -160,8 +156,8 @@ class PromptCache:
     @_locked
     def add(self, kept: KeptPrompt) -> None:
         """Keep ``kept`` (the most recently used), then evict the least recently used beyond the budget
-        (``kept`` too, where it alone is over it). A prompt shorter than the unit it serves is not kept."""
-        hashes = block_hashes(kept.key, kept.tokens, _unit(kept.key))
+        (``kept`` too, where it alone is over it). A prompt shorter than ``HASHED_TOKENS`` is not kept."""
+        hashes = block_hashes(kept.key, kept.tokens, HASHED_TOKENS)
         if not hashes:
             return
         self.newest = kept
@@ -181,7 +177,7 @@ class PromptCache:
     def drop(self, kept: KeptPrompt) -> None:
         """Forget ``kept``: its memory goes once no cache reads it (nor a kept prompt that borrows its blocks)."""
         self.entries.pop(id(kept), None)
-        for digest in block_hashes(kept.key, kept.tokens, _unit(kept.key)):
+        for digest in block_hashes(kept.key, kept.tokens, HASHED_TOKENS):
             holders = self.index.get(digest)
             if holders is not None:
                 holders.discard(id(kept))
