@@ -15,9 +15,9 @@ the request at fault gets the error.
 
 Prompts are kept across requests in host memory (``PromptCache``, ``--prompt-cache-gb``): a request whose prompt
 starts with a kept one (a document asked about again, a conversation's earlier turns) computes only the rest
-(``KeptPrompt.usable``: the cold run's tokens); its usage says how many came from the cache. Such a request,
-and one long enough to be kept (over one prefill chunk), runs alone and keeps its prompt: a batch's rows are
-not kept, and a long prompt's prefill gains little from company. Shorter prompts batch. Where the host cannot
+(``KeptPrompt.usable``: the cold run's tokens); its usage says how many came from the cache. A request over one
+prefill chunk runs alone, served from a kept prompt and keeping its own: a batch's rows are neither, and a long
+prompt's prefill gains little from company. Shorter prompts batch. Where the host cannot
 hold a request's pool beside the kept prompts, the least recently used go first.
 """
 
@@ -361,13 +361,12 @@ class Engine:
         return batch, found
 
     def _batches(self, request: Waiting) -> bool:
-        """Whether ``request`` may share a batch: not where prompts are kept and it is long enough to be (over one
-        prefill chunk: alone, it is kept whole for the next question about it) or a kept prompt serves it."""
+        """Whether ``request`` may share a batch: not where prompts are kept and it is over one prefill chunk (alone,
+        a kept prompt serves it and it is kept for the next question; a batch's rows are neither). A shorter one
+        batches, though a kept prompt may share its start (a chat template's system prompt): little to save."""
         if self.max_batch == 1 or request.alone or request.ask.sampling.seed is not None:
             return False
-        if self.prompts is None:
-            return True
-        return len(request.ids) <= self.prefill_chunk and not self.prompts.serves(torch.tensor(request.ids))
+        return self.prompts is None or len(request.ids) <= self.prefill_chunk
 
     def _decode_batch(self, batch: list[Waiting], found: memory.MemoryPlan) -> None:
         """Decode ``batch`` under ``found``, each request answered (or its error set) and told it is done."""

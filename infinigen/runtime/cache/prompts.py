@@ -148,12 +148,6 @@ class PromptCache:
         return best, served
 
     @_locked
-    def serves(self, tokens: torch.Tensor) -> int:
-        """The most of ``tokens`` (N,) a kept prompt would serve, whatever its key (a server's, whose kept prompts
-        share one), without counting a hit: whether a request is better run alone, from it."""
-        return max((kept.usable(tokens) for kept in self.entries.values()), default=0)
-
-    @_locked
     def add(self, kept: KeptPrompt) -> None:
         """Keep ``kept`` (the most recently used), then evict the least recently used beyond the budget
         (``kept`` too, where it alone is over it). A prompt shorter than ``HASHED_TOKENS`` is not kept."""
