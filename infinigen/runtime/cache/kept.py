@@ -79,11 +79,11 @@ class KeptPrompt:
         return sum(self.held().values())
 
     def usable(self, tokens: torch.Tensor) -> int:
-        """How many of ``tokens`` (N,) this prompt serves: their common prefix, at most N - 1 (the last prompt
-        token's logits start the decoding); the whole prompt where they extend it, else only where it is
-        ``cuttable``, on whole pool blocks for a paged policy, and past its first chunk with 8-bit rows (the
-        module's docstring says why)."""
-        n = min(self.length, tokens.numel() - 1)
+        """How many of ``tokens`` (N,) this prompt serves: their common prefix, at most N - 2 (the rest is a
+        prefill forward: one of a single token is a decode step, which attends the policy's selection); the
+        whole prompt where they extend it, else only where it is ``cuttable``, on whole pool blocks for a paged
+        policy, and past its first chunk with 8-bit rows (the module's docstring says why)."""
+        n = min(self.length, tokens.numel() - 2)
         if n <= 0:
             return 0
         tokens = tokens.cpu()

@@ -365,9 +365,8 @@ class OffloadedLayer(_Layer):
 
     def _prefetched(self, hidden: torch.Tensor, norm: Norm, rope) -> Fetched:
         if self.cache.diagnostics.select_rows or self.last_selection is None:
-            if self.selection_graph is None and self.cache.captures(self):
-                self.selection_graph = SelectionGraph()
-            if self.selection_graph is not None:
+            if self.cache.captures(self):  # not within a StepGraph's step, which captures the selection with it
+                self.selection_graph = self.selection_graph or SelectionGraph()
                 self.last_selection = self.selection_graph(self, hidden, norm, rope)
             else:
                 self.last_selection = self.select(hidden, norm, rope)
