@@ -141,7 +141,11 @@ def test_8_bit_rows_are_cut_past_their_first_chunk_only(setup):
         prefix = ids(0, length)
         prompts = PromptCache()
         answer(model, artifact, torch.cat([prefix, ids(1, 60)], dim=1), prompts, policy="full", kv_bits=8)
-        assert prompts.newest.usable(torch.cat([prefix, ids(2, 20)], dim=1)[0]) == served
+        second = torch.cat([prefix, ids(2, 20)], dim=1)[0]
+        assert prompts.newest.usable(second) == served
+        if not served:  # as a prompt file, refused in one line that says why
+            with pytest.raises(PromptFileError, match="8-bit rows serve only past their first chunk of 32 tokens"):
+                check_prompt(prompts.newest, prompts.newest.key, second, "doc.prompt")
     assert answer(model, artifact, torch.cat([prefix, ids(1, 60), ids(3, 4)], dim=1), prompts, policy="full")[1] == 98
 
 

@@ -179,9 +179,15 @@ def check_prompt(kept: KeptPrompt, key: dict, tokens: torch.Tensor, path: str | 
         n = min(kept.length, tokens.numel())
         differs = (kept.tokens[:n] != tokens[:n]).nonzero()
         at = int(differs[0]) if differs.numel() else n
+        if not kept.cuttable:
+            why = "; its KV serves only prompts that extend it whole"
+        elif kept.key.get("kv_bits") == 8:
+            why = f"; 8-bit rows serve only past their first chunk of {kept.key.get('prefill_chunk')} tokens"
+        else:
+            why = ""
         raise PromptFileError(
             f"{path} holds a prompt of {kept.length} tokens this prompt does not start with (they differ "
-            f"from token {at}{'' if kept.cuttable else '; its KV serves only prompts that extend it whole'})"
+            f"from token {at}{why})"
         )
     for name in sorted(set(kept.key) | set(key)):
         if kept.key.get(name) != key.get(name):
