@@ -182,11 +182,11 @@ def _prompt_file_cache(path: Path, cache, ids):
 def _save_prompt_file(path: Path, cache, stats: dict) -> None:
     """The run's prompt written to ``path``, unless the file already served all it would (``KeptPrompt.usable``)."""
     from infinigen.runtime.cache.prompt_file import save_prompt
+    from infinigen.runtime.cache.prompts import HASHED_TOKENS
 
     kept = cache.prompts.newest
-    if kept is None:  # a prompt shorter than a pool block is not kept
-        block = cache.config.block_tokens
-        err_console.print(f"{path} not written: the prompt is shorter than one pool block ({block} tokens)")
+    if kept is None:  # ``PromptCache.add`` keeps none shorter
+        err_console.print(f"{path} not written: the prompt is shorter than {HASHED_TOKENS} tokens")
     elif cache.reused_tokens < kept.length:
         stats["prompt_file_bytes"] = save_prompt(kept, path)
 

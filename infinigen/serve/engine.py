@@ -15,10 +15,10 @@ the request at fault gets the error.
 
 Prompts are kept across requests in host memory (``PromptCache``, ``--prompt-cache-gb``): a request whose prompt
 starts with a kept one (a document asked about again, a conversation's earlier turns) computes only the rest
-(``KeptPrompt.usable``: the cold run's tokens); its usage says how many came from the cache. A request over one
-prefill chunk runs alone, served from a kept prompt and keeping its own: a batch's rows are neither, and a long
-prompt's prefill gains little from company. Shorter prompts batch. Where the host cannot
-hold a request's pool beside the kept prompts, the least recently used go first.
+(``KeptPrompt.usable``: a cold run's state, to rounding where the cut falls inside a chunk); its usage says how
+many came from the cache. A request over one prefill chunk runs alone, served from a kept prompt and keeping its
+own: a batch's rows are neither, and a long prompt's prefill gains little from company. Shorter prompts batch.
+Where the host cannot hold a request's pool beside the kept prompts, the least recently used go first.
 """
 
 from __future__ import annotations
