@@ -1,13 +1,16 @@
 """Where one server request's time goes (issue: the server): the gaps between the tokens of a fresh cache (its
 first steps eager, then its step captured, then replays), and the phases before a kept prompt's next question
 gets its first token (the plan, ``restore``, the prefill of what is new, ``keep``), each timed with the device
-synchronised. A random-weight Llama-3-8B shape, all but 24 GB held, 1 x 32K random tokens; prints each run.
+synchronised. A random-weight Llama-3-8B shape, all but ``--gpu-memory-gb`` held, one row of ``--context`` random
+tokens; prints each run. ``--profile``: the kernels and host operations of the last warm question's prefill
+(``torch.profiler``), the most costly first.
 
-    python benchmarks/request_phases_gpu.py
+    python benchmarks/request_phases_gpu.py --context 131008 --profile
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import time
 
@@ -56,15 +59,30 @@ def run(model, artifact, ids: torch.Tensor, new: int, prompts: PromptCache | Non
     return round((times[0] - start) * 1e3), [round((b - a) * 1e3, 1) for a, b in zip(times, times[1:], strict=False)]
 
 
+def profiled(*args):
+    """``run(*args)`` under ``torch.profiler``: its result, and the top rows by device time and by host time."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        out = run(*args)
+    events = profile.key_averages()
+    tables = [events.table(sort_by=key, row_limit=25) for key in ("self_cuda_time_total", "self_cpu_time_total")]
+    return out, tables
+
+
 def main() -> None:
-    occupier = Occupier(24, "cuda")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-memory-gb", type=float, default=24)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    occupier = Occupier(args.gpu_memory_gb, "cuda")
     model = random_model("llama-3-8b", "cuda", torch.bfloat16)
     artifact = random_artifact(model, "llama-3-8b", 0.5)
     for name in ("restore", "keep", "prefill", "plan_run"):
         setattr(generation, name, timed(name, getattr(generation, name)))
     generator = torch.Generator().manual_seed(0)
-    doc = torch.randint(1, 128000, (1, 32768), generator=generator).cuda()
-    print("warm", run(model, artifact, doc, 8)[0])
+    doc = torch.randint(1, 128000, (1, args.context), generator=generator).cuda()
+    print("warm", run(model, artifact, doc[:, :4096], 8)[0], run(model, artifact, doc, 8)[0])
     phases.clear()
     for _ in range(2):
         first, gaps = run(model, artifact, doc, 32)
@@ -75,10 +93,16 @@ def main() -> None:
     prompt = torch.cat([doc, torch.randint(1, 128000, (1, 95), generator=generator).cuda()], 1)
     print("kept cold", run(model, artifact, prompt, 32, kept)[0], phases)
     phases.clear()
-    for extra in (95, 190):
+    for extra in (95, 190, 64):
         prompt = torch.cat([prompt, torch.randint(1, 128000, (1, extra), generator=generator).cuda()], 1)
-        first, gaps = run(model, artifact, prompt, 32, kept)
-        print(f"warm +{extra}: first {first} ms, mean gap {sum(gaps) / len(gaps):.2f}, first gaps {gaps[:4]}", phases)
+        tables: list[str] = []
+        if args.profile and extra == 64:  # the prefill and the first steps only
+            (first, gaps), tables = profiled(model, artifact, prompt, 2, kept)
+        else:
+            first, gaps = run(model, artifact, prompt, 32, kept)
+        mean = sum(gaps) / max(len(gaps), 1)
+        print(f"warm +{extra}: first {first} ms, mean gap {mean:.2f}, gaps {gaps[:4]} .. {gaps[-4:]}", phases)
+        print(*tables, sep="\n")
         phases.clear()
     occupier.release()
 

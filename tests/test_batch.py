@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import invoke, tiny_model
+from helpers import tiny_setup
 
 from infinigen.artifacts import open_artifact
 from infinigen.batch import Job, Work, read_requests, run_job
@@ -173,6 +174,46 @@ def test_a_job_stopped_between_batches_continues_to_the_same_rows(job, tmp_path)
     second = run_job(job, Work(requests, bad, tmp_path / "out.jsonl"))
     assert not second.interrupted and second.done_before == 8 and second.written == 6
     assert results(tmp_path / "out.jsonl") == results(tmp_path / "whole.jsonl")
+
+
+def test_requests_sharing_a_prefix_compute_it_once(tokenizer, tmp_path):
+    """Questions about one document: one group, the document computed once; each row's tokens those of the
+    request run alone, its cached tokens the shared prefix; a rerun missing a row gives it back unchanged;
+    with prompt_cache_gb 0, no group."""
+    from infinigen.batch.runner import form_batches, prepare
+
+    document = " ".join(WORDS[i % len(WORDS)] for i in range(0, 210, 3))
+    questions = ["where is the cat", "who ran away from home", "what sat on the mat"]
+    records = [{"id": f"q{i}", "prompt": f"{document} {q}?"} for i, q in enumerate(questions)]
+    records += [{"id": "other", "prompt": "a dog ran far"}, {"id": "more", "prompt": "the big mat sat away"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    requests, _ = read_requests(tmp_path / "in.jsonl")
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+
+    def job(**settings):
+        settings = {"policy": "infinigen", "budget": 0.5} | settings
+        return Job.of(model, tokenizer, artifact, settings, max_new_tokens=5, max_batch=4, prefill_chunk=32)
+
+    grouping = job()
+    prepared, _ = prepare(grouping.planner, requests)
+    batches, _ = form_batches(grouping.planner, prepared)
+    group = next(batch for batch in batches if batch[0].prefix)
+    ids = [p.ids for p in group]
+    common = next(i for i in range(len(ids[0])) if len({row[i] for row in ids}) > 1)
+    assert [p.request.id for p in group] == ["q0", "q1", "q2"] and {p.prefix for p in group} == {common}
+    report = run_job(grouping, Work(requests, [], tmp_path / "out.jsonl"))
+    got = {row["id"]: row for row in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert report.cached == 3 * common and [got[f"q{i}"]["stats"]["cached_tokens"] for i in range(3)] == [common] * 3
+    for record in records[:3]:
+        alone = tmp_path / f"alone-{record['id']}.jsonl"
+        run_job(job(prompt_cache_gb=0), Work([r for r in requests if r.id == record["id"]], [], alone))
+        assert results(alone)[record["id"]] == results(tmp_path / "out.jsonl")[record["id"]]
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    (tmp_path / "cut.jsonl").write_text("".join(line + "\n" for line in lines if '"q1"' not in line))
+    again = run_job(grouping, Work(requests, [], tmp_path / "cut.jsonl"))
+    assert again.written == 1 and results(tmp_path / "cut.jsonl") == results(tmp_path / "out.jsonl")
+    off = job(prompt_cache_gb=0)
+    assert not any(p.prefix for b in form_batches(off.planner, prepare(off.planner, requests)[0])[0] for p in b)
 
 
 def job_command(folder: Path, tmp_path: Path, output: str) -> list[str]:

@@ -187,6 +187,19 @@ def test_the_budget_evicts_the_least_recently_used(setup):
         PromptCache(gb=-1)
 
 
+def test_a_read_only_cache_serves_and_keeps_nothing(setup):
+    model, artifact = setup
+    document = ids(0, 2 * CHUNK)
+    prompts = PromptCache()
+    answer(model, artifact, torch.cat([document, ids(1, 4)], dim=1), prompts, policy="full")
+    read_only = PromptCache(read_only=True)
+    read_only.add(prompts.newest)
+    question = torch.cat([document, ids(2, 8)], dim=1)
+    cold = answer(model, artifact, question, policy="full")[0]
+    assert answer(model, artifact, question, read_only, policy="full") == (cold, 2 * CHUNK)
+    assert len(read_only) == 1 and read_only.newest is prompts.newest  # the question's prompt not kept
+
+
 def test_a_prompt_file_round_trip_and_every_damage(setup, tmp_path):
     model, artifact = setup
     prefix = ids(0, 2 * CHUNK)
@@ -262,6 +275,15 @@ def test_generate_prompt_cache_across_runs(prepared, tokenizer, tmp_path):
     assert warm["stats"]["cached_tokens"] == 128 and warm["outputs"] == cold["outputs"]
     shown = invoke("inspect", str(path), "--json")
     assert shown.exit_code == 0 and json.loads(shown.output)["tokens"] == 131  # the new prompt, which serves more
+    before = path.read_bytes()
+    third = tmp_path / "q3.txt"
+    third.write_text(document + " who lives there")
+    read_only = run(third, "--prompt-cache", str(path), "--prompt-cache-ro")  # served, the file left as it was
+    assert read_only["stats"]["cached_tokens"] >= 128 and path.read_bytes() == before
+    assert read_only["outputs"] == run(third)["outputs"]
+    for more in (["--prompt-cache-ro"], ["--prompt-cache", str(tmp_path / "none.prompt"), "--prompt-cache-ro"]):
+        lone = invoke(*base, "--prompt-file", str(third), *more)
+        assert lone.exit_code == 2 and "--prompt-cache" in lone.output and "Traceback" not in lone.output
     refused = invoke(*base, "--prompt", "a new story", "--prompt-cache", str(path))
     assert refused.exit_code == 2 and "does not start with" in refused.output and "Traceback" not in refused.output
     other = invoke(*base, "--prompt-file", str(second), "--prompt-cache", str(path), "--kv-bits", "16")

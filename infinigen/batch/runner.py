@@ -5,7 +5,8 @@ Batches are formed over every request of the input, done or not, in the same way
 prompt first; a batch grows while the plan admits one more row, up to ``max_batch``), and a rerun runs
 only the batches that still have a request without a result, writing those results alone. So a job
 stopped at any point and rerun gives exactly the rows of an uninterrupted run: each request is decoded
-in the same batch, padded the same way.
+in the same batch, padded the same way. Requests that share a long prefix are one group, its prefix
+computed once and each row run alone from it (``batch.shared``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.artifacts import Artifact
 from infinigen.batch.records import Request, Work, append_rows, read_done
+from infinigen.batch.shared import group_plan, run_group, shared_groups
 from infinigen.errors import InfinigenError, OutOfMemory
 from infinigen.runtime import cache_for
 from infinigen.runtime.config import config_from
@@ -82,6 +84,7 @@ class Prepared:
     request: Request
     ids: list[int]
     new_tokens: int
+    prefix: int = 0  # the tokens its group shares, computed once (``batch.shared``); 0: in no group
 
 
 @dataclass
@@ -93,6 +96,7 @@ class Progress:
     written: int = 0
     errors: int = 0
     tokens: int = 0  # generated, over the rows written
+    cached: int = 0  # prompt tokens of those rows served from a kept prefix (not computed)
     batches: int = 0
     split: int = 0  # rows of batches that ran out of memory and ran again in halves
     seconds: float = 0.0
@@ -105,6 +109,7 @@ class Progress:
             "written": self.written,
             "errors": self.errors,
             "generated_tokens": self.tokens,
+            "cached_tokens": self.cached,
             "batches": self.batches,
             "rows_split_after_out_of_memory": self.split,
             "seconds": round(self.seconds, 3),
@@ -146,6 +151,7 @@ def record(output: Path, rows: list[dict], progress: Progress, done_ids: set, st
     progress.written += len(rows)
     progress.errors += sum("error" in row for row in rows)
     progress.tokens += sum(row.get("tokens", 0) for row in rows)
+    progress.cached += sum(row.get("stats", {}).get("cached_tokens", 0) for row in rows)
     progress.batches += 1
     progress.split += sum("split_from" in row.get("stats", {}) for row in rows)
     progress.seconds = time.perf_counter() - start
@@ -242,7 +248,9 @@ def batch_plan(planner: Planner, batch: list[Prepared]) -> memory.MemoryPlan:
 
 def form_batches(planner: Planner, prepared: list[Prepared]) -> tuple[list[list[Prepared]], list[tuple[Prepared, str]]]:
     """The batches, longest prompts first (little padding: neighbours have about the same length), each
-    as large as the plan admits up to ``max_batch``; a request that does not fit alone, with why."""
+    as large as the plan admits up to ``max_batch``; a request that does not fit alone, with why. Then the
+    groups that share a prefix (``batch.shared``), each one batch whose rows run one at a time."""
+    groups, prepared = shared_groups(planner, prepared)
     ordered = sorted(prepared, key=lambda p: (-len(p.ids), p.request.line))
     batches: list[list[Prepared]] = []
     unfit: list[tuple[Prepared, str]] = []
@@ -256,6 +264,12 @@ def form_batches(planner: Planner, prepared: list[Prepared]) -> tuple[list[list[
             batches.append([item])
         else:
             unfit.append((item, memory.why_not(alone)))
+    for group in groups:
+        found = group_plan(planner, group)
+        if admits(found):
+            batches.append(group)
+        else:
+            unfit += [(item, memory.why_not(found)) for item in group]
     return batches, unfit
 
 
@@ -265,9 +279,9 @@ def admits(found: memory.MemoryPlan) -> bool:
 
 
 def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
-    """One batch through a fresh cache with its plan's settings: a row per request (an error row each
-    where the batch failed)."""
-    found = batch_plan(job.planner, batch)
+    """One batch through a fresh cache with its plan's settings (a group's rows one at a time from their
+    kept prefix): a row per request (an error row each where the batch failed)."""
+    found = group_plan(job.planner, batch) if batch[0].prefix else batch_plan(job.planner, batch)
     tokenizer, sampling = job.planner.tokenizer, job.sampling
     if job.model.device.type == "cuda":
         # batches differ in shape, and blocks the allocator cached for one fit the next badly (a batch of
@@ -277,6 +291,9 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
         sampling = replace(sampling, seed=sampling.seed + index)
     failure = None  # out of GPU memory: the plan's miss, not the requests'
     try:
+        if batch[0].prefix:
+            ran = run_group(job, batch, found, sampling)
+            return [result_row(job, p, new[0].tolist(), stats, found, index) for p, new, stats in ran]
         with cache_for(job.model, job.artifact, plan=found) as cache:
             new, stats = generate_ids(
                 job.model,
@@ -303,8 +320,18 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
         for row in rows:
             row.setdefault("stats", {}).setdefault("split_from", len(batch))
         return rows
-    shared = {
-        "batch": len(batch),
+    return [result_row(job, p, tokens, stats, found, index) for p, tokens in zip(batch, new.tolist(), strict=True)]
+
+
+def result_row(job: Job, p: Prepared, tokens: list[int], stats: dict, found: memory.MemoryPlan, index: int) -> dict:
+    """A request's result row: its text up to its end of sequence, and the statistics of the run it was in."""
+    tokenizer = job.planner.tokenizer
+    tokens = tokens[: p.new_tokens]
+    ends = end_tokens(job.model, tokenizer)
+    stop = next((i for i, t in enumerate(tokens) if t in ends), None)
+    kept = tokens if stop is None else tokens[: stop + 1]
+    run = {
+        "batch": stats["batch"],
         "batch_index": index,
         "batch_prefill_s": stats["prefill_s"],
         "batch_decode_s": stats["decode_s"],
@@ -314,22 +341,13 @@ def run_batch(job: Job, batch: list[Prepared], index: int) -> list[dict]:
         "batch_decode_tok_s": stats["decode_tok_s"],
         "fraction_fetched": stats["fraction_fetched"],
     }
-    ends = end_tokens(job.model, tokenizer)
-    rows = []
-    for p, tokens in zip(batch, new.tolist(), strict=True):
-        tokens = tokens[: p.new_tokens]
-        stop = next((i for i, t in enumerate(tokens) if t in ends), None)
-        kept = tokens if stop is None else tokens[: stop + 1]
-        rows.append(
-            {
-                "id": p.request.id,
-                "text": tokenizer.decode(kept, skip_special_tokens=True),
-                "tokens": len(kept),
-                "finish_reason": "length" if stop is None else "stop",
-                "stats": {"prompt_tokens": len(p.ids)} | shared,
-            }
-        )
-    return rows
+    return {
+        "id": p.request.id,
+        "text": tokenizer.decode(kept, skip_special_tokens=True),
+        "tokens": len(kept),
+        "finish_reason": "length" if stop is None else "stop",
+        "stats": {"prompt_tokens": len(p.ids), "cached_tokens": stats["cached_tokens"]} | run,
+    }
 
 
 def end_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

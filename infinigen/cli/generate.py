@@ -28,7 +28,8 @@ def generate(
         typer.Option(
             "--input",
             help='A batch job: JSON lines {"id", "prompt" | "messages", "max_new_tokens"?}, in batches the memory '
-            "plan forms; results appended to --output as each batch ends (a rerun continues).",
+            "plan forms (a prefix requests share computed once); results appended to --output as each batch ends "
+            "(a rerun continues).",
         ),
     ] = None,
     output: Annotated[Path | None, typer.Option(help="With --input: the results, JSON lines.")] = None,
@@ -49,6 +50,14 @@ def generate(
             "it is written (unless it served all it would)."
         ),
     ] = None,
+    prompt_cache_ro: Annotated[
+        bool,
+        typer.Option(
+            "--prompt-cache-ro",
+            help="With --prompt-cache: read the file, never write it (a document's file then serves each question "
+            "about it without a write, or a copy of the prompt, each time).",
+        ),
+    ] = False,
     chat: Annotated[bool, typer.Option(help="Wrap prompts in the tokenizer's chat template.")] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option(help="0: greedy; above 0: sample at this temperature.")] = 0.0,
@@ -88,6 +97,10 @@ def generate(
             raise InfinigenError("--prompt-cache takes one prompt (--prompt or --prompt-file)")
         if prompt_cache.exists():
             read_manifest(prompt_cache)  # a damaged file refused before the model loads
+        elif prompt_cache_ro:
+            raise InfinigenError(f"--prompt-cache-ro: {prompt_cache} does not exist (a run without -ro writes it)")
+    elif prompt_cache_ro:
+        raise InfinigenError("--prompt-cache-ro reads the file of --prompt-cache: give one")
     config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
     sampling = Sampling(temperature, top_p, top_k, seed)
     for name, value in (("--max-new-tokens", max_new_tokens), ("--max-batch", max_batch)):
@@ -138,7 +151,7 @@ def generate(
     with cache_for(loaded.model, checked, **({"plan": planned[0]} if planned else vars(config))) as cache:
         if prompt_cache is not None:
             ids = torch.tensor(tokenizer(prompts)["input_ids"][0])
-            cache.prompts = _prompt_file_cache(prompt_cache, cache, ids)
+            cache.prompts = _prompt_file_cache(prompt_cache, cache, ids, prompt_cache_ro)
         texts, stats = generate_text(
             loaded.model,
             tokenizer,
@@ -149,7 +162,7 @@ def generate(
             prefill_chunk=chunk,
             stream=not as_json and rank() == 0,  # every rank decodes the same tokens: one prints them
         )
-    if prompt_cache is not None:
+    if prompt_cache is not None and not prompt_cache_ro:
         _save_prompt_file(prompt_cache, cache, stats)
     if planned:
         stats["memory_plan"] = memory.summary(planned[0])
@@ -165,13 +178,13 @@ def generate(
     print_pairs(f"{config.policy} on {loaded.model.device}" + (f", rank 0 of {ranks}" if ranks > 1 else ""), shown)
 
 
-def _prompt_file_cache(path: Path, cache, ids):
+def _prompt_file_cache(path: Path, cache, ids, read_only: bool):
     """Kept prompts for ``--prompt-cache``: the file's, where it exists (refused in one line where it cannot
     serve ``ids``: another model, artifact or settings, another prompt, damage)."""
     from infinigen.runtime.cache.prompt_file import check_prompt, load_prompt
     from infinigen.runtime.cache.prompts import PromptCache
 
-    prompts = PromptCache()
+    prompts = PromptCache(read_only=read_only)
     if path.exists():
         kept = load_prompt(path, cache.device)
         check_prompt(kept, cache.prompt_key, ids, path)

@@ -219,7 +219,8 @@ class RuntimeConfig:
         None,
         "Host memory in GB (10^9 bytes) for prompts kept across the requests of a server (a later prompt that "
         "starts with a kept one computes only the rest), the least recently used evicted first (and for a request's "
-        "pool). Default: half the host memory available at start (more than it is refused); 0: none.",
+        "pool); a batch job keeps the prefix its requests share. Default: half the host memory available at start "
+        "(more than it is refused); 0: none.",
     )
     # Tuning of the CUDA row gather (``kernels.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".
     gather_programs: int | None = option(

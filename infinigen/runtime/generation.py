@@ -166,7 +166,7 @@ def decode(
     logits = prefill(model, cache, input_ids, mask, chunk, start=cache.get_seq_length())
     emit = Emitter(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
     token = emit(logits)
-    if keeps:  # after the first token is out (its copies are not on its path), before a step appends
+    if keeps and not cache.prompts.read_only:  # after the first token is out (its copies are not on its path)
         cache.prompts.add(keep(cache, input_ids[0]))
     step = StepGraph(model, cache)
     position = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)  # (B, 1) of the last prompt token

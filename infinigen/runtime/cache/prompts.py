@@ -102,12 +102,14 @@ def _locked(method):
 class PromptCache:
     """Kept prompts in host memory, at most ``gb`` GB (10^9 bytes; None: no limit) of them, least recently
     used evicted first. Blocks shared by several kept prompts (a conversation's turns) count once. Safe to
-    share between threads."""
+    share between threads. ``read_only``: a run served from it keeps no prompt of its own (one document's
+    questions: each would copy the document's GPU-resident parts again, after its first token)."""
 
-    def __init__(self, gb: float | None = None) -> None:
+    def __init__(self, gb: float | None = None, read_only: bool = False) -> None:
         if gb is not None and not gb >= 0:
             raise InfinigenError(f"prompt_cache_gb must be >= 0, got {gb}")
         self.budget = None if gb is None else int(gb * 1e9)
+        self.read_only = read_only
         self.entries: OrderedDict[int, KeptPrompt] = OrderedDict()  # by id, least recently used first
         self.index: dict[bytes, set[int]] = {}  # block hash -> the kept prompts holding that prefix
         self.hits = self.misses = self.evicted = 0
