@@ -216,6 +216,24 @@ def test_requests_sharing_a_prefix_compute_it_once(tokenizer, tmp_path):
     assert not any(p.prefix for b in form_batches(off.planner, prepare(off.planner, requests)[0])[0] for p in b)
 
 
+def test_a_group_forms_on_a_gpu_only_where_the_estimates_say_it_pays(job, tokenizer, tmp_path):
+    """With a GPU's rates: where a step costs far more than a prompt token's prefill, rows stay batched; where
+    the prefill is the cost, the prefix is computed once."""
+    from infinigen.batch.runner import form_batches, prepare
+    from infinigen.runtime.memory.throughput import DeviceRates
+
+    document = " ".join(WORDS[i % len(WORDS)] for i in range(0, 210, 3))
+    records = [{"id": f"q{i}", "prompt": f"{document} {q}?"} for i, q in enumerate(["where", "who ran", "what"])]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    requests, _ = read_requests(tmp_path / "in.jsonl")
+    steps_cost = DeviceRates(h2d_gb_s=1e6, device_gb_s=1e-3, matmul_tflops=1e6)  # reading weights: each step
+    prefill_costs = DeviceRates(h2d_gb_s=1e6, device_gb_s=1e6, matmul_tflops=1e-6)  # multiply-adds: each token
+    for rates, grouped in ((steps_cost, False), (prefill_costs, True)):
+        planner = replace(job.planner, prefill_chunk=32, rates=rates)
+        batches, _ = form_batches(planner, prepare(planner, requests)[0])
+        assert [bool(b[0].prefix) for b in batches] == [grouped] and len(batches[0]) == 3
+
+
 def job_command(folder: Path, tmp_path: Path, output: str) -> list[str]:
     return [
         sys.executable, "-m", "infinigen", "generate", str(folder), "--policy", "full",

@@ -22,6 +22,7 @@ from infinigen.batch.runner import Job, Planner, Prepared, Progress, begin, reco
 from infinigen.errors import InfinigenError
 from infinigen.runtime.config import config_from
 from infinigen.runtime.memory import plan as memory
+from infinigen.runtime.memory.throughput import measured_rates
 from infinigen.runtime.text import Sampling
 
 RETRIES = 3  # restarts of a failed actor, and retries of the batch it was running
@@ -54,8 +55,11 @@ def driver_planner(loading: Loading, settings: dict, **options) -> Planner:
     gpu_memory_gb = config_from(settings).gpu_memory_gb
     if gpu_memory_gb is None and loading.device.startswith("cuda") and not torch.cuda.is_available():
         raise InfinigenError("this machine has no GPU to plan the workers' batches by: give --gpu-memory-gb")
-    budget = memory.budget_bytes(gpu_memory_gb, torch.device(loading.device))
-    return Planner(tokenizer, memory.model_of(config, dtype), dtype, settings, budget, **options)
+    device = torch.device(loading.device)
+    budget = memory.budget_bytes(gpu_memory_gb, device)
+    # a shared prefix's groups as one process forms them where this machine has the workers' kind of GPU
+    rates = measured_rates(device, dtype) if device.type == "cuda" and torch.cuda.is_available() else None
+    return Planner(tokenizer, memory.model_of(config, dtype), dtype, settings, budget, rates=rates, **options)
 
 
 class BatchDecoder:
@@ -70,7 +74,7 @@ class BatchDecoder:
         self.job = Job.of(loaded.model, loaded.tokenizer, artifact, sampling=sampling, **planner)
 
     def __call__(self, item: dict) -> dict:
-        batch = [Prepared(Request(rid, 0), ids, new) for rid, ids, new in json.loads(item["batch"])]
+        batch = [Prepared(Request(rid, 0), *rest) for rid, *rest in json.loads(item["batch"])]
         return {"index": item["index"], "rows": json.dumps(run_batch(self.job, batch, item["index"]))}
 
 
@@ -94,7 +98,7 @@ def run_on_ray(
     if not left.batches:
         return progress
     items = [
-        {"index": index, "batch": json.dumps([[p.request.id, p.ids, p.new_tokens] for p in batch])}
+        {"index": index, "batch": json.dumps([[p.request.id, p.ids, p.new_tokens, p.prefix] for p in batch])}
         for index, batch in left.batches
     ]
     # the workers plan each batch's cache exactly as the driver formed it: its budget, its options

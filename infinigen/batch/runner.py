@@ -26,7 +26,7 @@ from infinigen.errors import InfinigenError, OutOfMemory
 from infinigen.runtime import cache_for
 from infinigen.runtime.config import config_from
 from infinigen.runtime.memory import plan as memory
-from infinigen.runtime.memory.throughput import best_batch, measured_rates
+from infinigen.runtime.memory.throughput import DeviceRates, best_batch, measured_rates
 from infinigen.runtime.text import Sampling, generate_ids
 
 
@@ -44,6 +44,7 @@ class Planner:
     prefill_chunk: int | None = 4096  # None: a prompt in one forward
     max_batch: int = 64  # the most rows a batch takes, whatever the plan admits
     weights_loaded: bool = False  # planning beside the loaded model: its streamed layers' host memory is taken
+    rates: DeviceRates | None = None  # the GPU's, measured, where a shared prefix's group must pay (``batch.shared``)
 
     def __post_init__(self) -> None:
         self.config = config_from(self.settings)
@@ -75,6 +76,8 @@ class Job:
         if "budget" not in options:  # a Ray worker is given its driver's
             options["budget"] = memory.budget_bytes(config_from(settings).gpu_memory_gb, param.device)
         subject = memory.model_of(model.config, param.dtype)
+        if "rates" not in options:
+            options["rates"] = measured_rates(param.device, param.dtype)
         planner = Planner(tokenizer, subject, param.dtype, settings, weights_loaded=True, **options)
         return cls(model, planner, artifact, sampling)
 
