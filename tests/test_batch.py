@@ -316,10 +316,13 @@ def ray_scenario(folder: str, tmp: str) -> None:
 
     tmp_path = Path(tmp)
     write_requests(tmp_path / "in.jsonl", 24)
+    document = " ".join(WORDS[i % len(WORDS)] for i in range(0, 210, 3))  # three questions: one group
     with open(tmp_path / "in.jsonl", "a") as file:
         file.write("not json\n")
+        for i, question in enumerate(WORDS[:3]):
+            file.write(json.dumps({"id": f"q{i}", "prompt": f"{document} {question}?"}) + "\n")
     requests, bad = read_requests(tmp_path / "in.jsonl")
-    options = {"max_new_tokens": 6, "max_batch": 4}
+    options = {"max_new_tokens": 6, "max_batch": 4, "prefill_chunk": 32}
     loaded = load_model(str(folder), device="cpu")
     one = Job.of(loaded.model, loaded.tokenizer, None, {"policy": "full"}, **options)
     run_job(one, Work(requests, bad, tmp_path / "one.jsonl"))
@@ -334,8 +337,11 @@ def ray_scenario(folder: str, tmp: str) -> None:
     killer.start()
     second = run_on_ray(cluster, loading, planner, Sampling(), work)
     killer.join()
-    assert not second.interrupted and second.done_before == 5 and second.written == 20 and killed
+    assert not second.interrupted and second.done_before == 5 and second.written == 23 and killed
     assert results(tmp_path / "ray.jsonl") == results(tmp_path / "one.jsonl")  # the killed worker's work redone
+    served = [json.loads(line)["stats"]["cached_tokens"] for line in (tmp_path / "ray.jsonl").read_text().splitlines()
+              if line.startswith('{"id": "q')]  # fmt: skip
+    assert len(served) == 3 and min(served) > 32  # the group's prefix served on the workers
     (tmp_path / "scenario-passed").touch()
 
 
