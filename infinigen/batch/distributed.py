@@ -108,6 +108,7 @@ def run_on_ray(
         "max_new_tokens": planner.max_new_tokens,
         "prefill_chunk": planner.prefill_chunk,
         "max_batch": planner.max_batch,
+        "rates": planner.rates,  # the batches are formed: a worker measures none
     }
     started = not ray.is_initialized()
     if started:
