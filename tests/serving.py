@@ -50,10 +50,10 @@ def client(url: str):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def alone(engine: Engine, prompt: str, new_tokens: int) -> str:
-    """The text the runtime gives ``prompt`` decoded alone, outside the server."""
+def alone(engine: Engine, prompt: str, new_tokens: int, **settings) -> str:
+    """The text the runtime gives ``prompt`` decoded alone with ``settings``, outside the server."""
     ids = engine.tokenizer(prompt)["input_ids"]
-    with cache_for(engine.model, engine.artifact) as cache:
+    with cache_for(engine.model, engine.artifact, **settings) as cache:
         new, _ = generate_ids(engine.model, engine.tokenizer, [ids], cache, max_new_tokens=new_tokens)
     return engine.tokenizer.decode(new[0], skip_special_tokens=True)
 

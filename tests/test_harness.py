@@ -112,6 +112,24 @@ def test_generation_is_greedy_decoding_cut_at_until(tokenizer):
     assert cut("a b. c", ["\n", "."]) == "a b"
 
 
+def test_requests_alone_start_from_the_prompts_they_share(tokenizer):
+    """batch_size 1: a request scored or generated alone is served the longest kept prompt it shares (here every
+    choice's context and the passage before each question), and scores and answers as it does computed whole."""
+    settings = {"policy": "infinigen", "budget": 0.25, "kv_bits": 16}  # 8-bit rows: cut past the first chunk only
+    kept = harness(tokenizer, batch_size=1, **settings)
+    whole = HarnessModel(kept.model, tokenizer, kept.artifact, settings | {"prompt_cache_gb": 0}, batch_size=1)
+    passage = " ".join(["the cat sat on the mat and the dog sat on the cat"] * 4)
+    choices = [(passage + " and then the", ending) for ending in (" bird", " dog ran", " cat")]
+    asked = [(passage + question, {"max_gen_toks": 4, "until": []}) for question in (" where", " who sat on the")]
+    assert whole.prompts is None and kept.prompts is not None
+    scores = kept.loglikelihood(choices)
+    assert kept.prompts.hits == 2  # the second and third choices: their context, kept by the first
+    for (logprob, greedy), (reference, greedy_whole) in zip(scores, whole.loglikelihood(choices), strict=True):
+        assert math.isclose(logprob, reference, abs_tol=1e-4) and greedy == greedy_whole
+    assert kept.generate_until(asked) == whole.generate_until(asked)
+    assert kept.prompts.hits == 3  # the second question: the passage, kept by the first
+
+
 def test_model_args_are_runtime_settings():
     assert runtime_settings({"policy": "quest", "budget": 1, "alpha": "inf", "reuse_rows": True}) == {
         "policy": "quest",

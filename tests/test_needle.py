@@ -109,7 +109,8 @@ def test_needle_accuracy_report(tokenizer):
     report = needle_accuracy(
         model, tokenizer, artifact, prompts, on_answer=answered.append, policy="infinigen", budget=0.25
     )
-    assert answered == report["answers"] and len(answered) == 8 and 0 <= report["accuracy"] <= 1
+    by_cell = sorted(answered, key=lambda a: (a["length"], a["depth"], a["trial"]))
+    assert by_cell == report["answers"] and len(answered) == 8 and 0 <= report["accuracy"] <= 1
     assert [(c["length"], c["depth"], c["trials"]) for c in report["cells"]] == [
         (96, 0.0, 2),
         (96, 1.0, 2),
@@ -137,3 +138,20 @@ def test_prompts_of_one_length_answered_together_answer_as_one_at_a_time(tokeniz
         assert [[a[k] for k in keys] for a in together["answers"]] == [[a[k] for k in keys] for a in alone["answers"]]
     with pytest.raises(InfinigenError, match="batch must be >= 0"):
         needle_accuracy(model, tokenizer, artifact, prompts, batch=-1, **settings)
+
+
+def test_a_passage_serves_its_shallower_needles_the_text_before_them(tokenizer):
+    """One at a time with kept prompts, a passage's prompts run deepest needle first: each is served the passage
+    up to its needle (the prefix it shares with the one before) and answers as it does computed whole."""
+    model, artifact = tiny_setup(tokenizer, "llama", "cpu")
+    prompts = needle_prompts(tokenizer, [bundled_text()], [96, 128], [0.0, 0.5, 1.0], trials=2)
+    settings = {"policy": "infinigen", "budget": 0.25, "kv_bits": 16}  # 8-bit rows: cut past the first chunk only
+    kept = needle_accuracy(model, tokenizer, artifact, prompts, **settings)
+    whole = needle_accuracy(model, tokenizer, artifact, prompts, prompt_cache_gb=0, **settings)
+    assert [a["output"] for a in kept["answers"]] == [a["output"] for a in whole["answers"]]
+    assert whole["cached_tokens"] == 0 and kept["cached_tokens"] == sum(a["cached_tokens"] for a in kept["answers"])
+    for a in kept["answers"]:
+        if a["depth"] == 0.5:  # served the passage before its needle by the depth-1 prompt of its passage
+            assert a["cached_tokens"] >= a["needle_start"] > 16
+        else:  # the first of its passage (1), or a needle at the start (0)
+            assert a["cached_tokens"] == 0

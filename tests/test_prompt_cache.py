@@ -185,6 +185,23 @@ def test_the_budget_evicts_the_least_recently_used(setup):
     assert answer(model, artifact, torch.cat([documents[2], ids(8, 4)], dim=1), prompts, policy="full")[1] > 0
     with pytest.raises(InfinigenError, match="prompt_cache_gb"):
         PromptCache(gb=-1)
+    newest = PromptCache(most=1)  # the newest alone: it serves a prompt that starts with it
+    for seed in (4, 5):
+        answer(model, artifact, torch.cat([ids(seed, 2 * CHUNK), ids(9, 4)], dim=1), newest, policy="full")
+    assert len(newest) == 1 and newest.evicted == 1 and newest.newest.tokens[0] == ids(5, 1)[0, 0]
+
+
+def test_a_limited_cpu_pool_keeps_no_prompts():
+    """Its slots are rewritten: a prompt cache asked beside it is refused in one line, the default one is none."""
+    from infinigen.runtime.config import RuntimeConfig
+
+    with pytest.raises(InfinigenError, match="kept prompts need an unlimited CPU pool"):
+        RuntimeConfig(cpu_pool_gb=1, prompt_cache_gb=2)
+    assert (
+        PromptCache.of(RuntimeConfig(cpu_pool_gb=1)) is None
+        and PromptCache.of(RuntimeConfig(prompt_cache_gb=0)) is None
+    )
+    assert PromptCache.of(RuntimeConfig(prompt_cache_gb=0.5)).budget == 500_000_000
 
 
 def test_a_read_only_cache_serves_and_keeps_nothing(setup):
@@ -288,6 +305,8 @@ def test_generate_prompt_cache_across_runs(prepared, tokenizer, tmp_path):
     assert refused.exit_code == 2 and "does not start with" in refused.output and "Traceback" not in refused.output
     other = invoke(*base, "--prompt-file", str(second), "--prompt-cache", str(path), "--kv-bits", "16")
     assert other.exit_code == 2 and "kv_bits" in other.output
+    limited = invoke(*base, "--prompt-file", str(second), "--prompt-cache", str(path), "--cpu-pool-gb", "1")
+    assert limited.exit_code == 2 and "unlimited CPU pool" in limited.output and "Traceback" not in limited.output
     path.write_bytes(path.read_bytes()[:1000])
     for command in (base + ["--prompt-file", str(second)], ["inspect"]):
         cut = invoke(*command, *(["--prompt-cache"] if command != ["inspect"] else []), str(path))

@@ -17,7 +17,7 @@ from conftest import tiny_model
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from serving import PROMPTS, asked, client, in_threads, serving, solo  # noqa: E402
+from serving import PROMPTS, alone, asked, client, in_threads, serving, solo  # noqa: E402
 
 from infinigen.serve.engine import Engine  # noqa: E402
 
@@ -35,6 +35,18 @@ def test_kept_prompts_more_than_the_host_has_are_refused_in_one_line(tiny_engine
         Engine(model, tokenizer, artifact, {"prompt_cache_gb": 9}, "tiny")
     assert Engine(model, tokenizer, artifact, {"prompt_cache_gb": 4}, "tiny").prompts.budget == 4_000_000_000
     assert Engine(model, tokenizer, artifact, {}, "tiny").prompts.budget == 4_000_000_000
+
+
+def test_a_limited_cpu_pool_serves_long_prompts_without_keeping_them(tiny_engine):
+    """--cpu-pool-gb rewrites its slots, so no prompt is kept (each request is computed whole), and a prompt over
+    one prefill chunk is answered as it is alone."""
+    settings = {"cpu_pool_gb": 0.001, "block_tokens": 16}
+    model, tokenizer, artifact = tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact
+    limited = Engine(model, tokenizer, artifact, settings, "tiny", prefill_chunk=16)
+    document = " ".join(PROMPTS * 2)
+    assert limited.prompts is None
+    answer = solo(limited, document, 4)
+    assert answer.cached_tokens == 0 and answer.text == alone(limited, document, 4, **settings)
 
 
 def test_a_kept_prompt_serves_the_next_question_with_the_cold_tokens(tiny_engine):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from infinigen.runtime import cache_for
-from infinigen.runtime.cache.prompts import PromptCache
+from infinigen.runtime.cache.prompts import PromptCache, keeps_prompts
 from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.memory.throughput import prefill_estimate_ms, step_estimate_ms
 from infinigen.runtime.text import generate_ids
@@ -25,10 +25,10 @@ from infinigen.runtime.text import generate_ids
 
 def shared_groups(planner, prepared: list) -> tuple[list[list], list]:
     """The groups of ``prepared`` (``runner.Prepared``) that share a prefix, each row with its ``prefix``
-    set, in input order; and the other requests. No groups where prompts are not kept (``prompt_cache_gb``
-    0) or are prefilled in one forward."""
+    set, in input order; and the other requests. No groups where prompts are not kept (``keeps_prompts``) or are
+    prefilled in one forward."""
     chunk = planner.prefill_chunk
-    if not chunk or planner.config.prompt_cache_gb == 0:
+    if not chunk or not keeps_prompts(planner.config):
         return [], prepared
     by_start: dict[tuple[int, ...], list] = {}
     for p in prepared:

@@ -419,11 +419,12 @@ def needle(
             "length": length,
             "overall": row["accuracy"],
             **{f"depth {c['depth']:g}": c["accuracy"] for c in row["cells"] if c["length"] == length},
+            "cached": sum(a["cached_tokens"] for a in row["answers"] if a["length"] == length),
         }
         for row in rows
         for length in token_lengths
     ]
     columns = {k: k for k in ("policy", "budget", "length", *(f"depth {d:g}" for d in depth_fractions))}
-    columns |= {"fraction fetched": "fraction_fetched", "overall": "overall"}
+    columns |= {"fraction fetched": "fraction_fetched", "cached tokens": "cached", "overall": "overall"}
     names = ", ".join(path.name for path in text)
     print_rows(f"{report['model']}: needle in {names}, {trials} trial(s) per cell", columns, flat)

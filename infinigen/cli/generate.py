@@ -102,6 +102,8 @@ def generate(
     elif prompt_cache_ro:
         raise InfinigenError("--prompt-cache-ro reads the file of --prompt-cache: give one")
     config = RuntimeConfig(**runtime)  # bad settings fail here, before the model loads
+    if prompt_cache is not None and config.cpu_pool_gb is not None:
+        raise InfinigenError("--prompt-cache needs an unlimited CPU pool (a limited one rewrites its slots)")
     sampling = Sampling(temperature, top_p, top_k, seed)
     for name, value in (("--max-new-tokens", max_new_tokens), ("--max-batch", max_batch)):
         if value < 1:

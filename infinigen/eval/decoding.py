@@ -15,8 +15,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from infinigen.errors import InfinigenError
 from infinigen.runtime import InfinigenCache, StepGraph, cache_argument, decode
+from infinigen.runtime.cache.kept import keep
 from infinigen.runtime.config import config_from
-from infinigen.runtime.generation import prefill
+from infinigen.runtime.generation import served_prefill
 from infinigen.runtime.memory import plan as memory
 
 # Prefill in chunks of this many tokens: with a padding mask, SDPA materialises the scores of a
@@ -74,7 +75,10 @@ def stepwise_logits(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     if isinstance(cache, InfinigenCache):  # as ``infinigen.decode`` tells it: the run's length
         cache.expect(ids.shape[1])
-    yield prefill(model, cache, ids[:, :prefix], mask[:, :prefix], chunk)
+    logits, keeps = served_prefill(model, cache, ids[:, :prefix], mask[:, :prefix], chunk)
+    if keeps:  # the prefilled prompt, for a later one that starts with it
+        cache.prompts.add(keep(cache, ids[0, :prefix]))
+    yield logits
     step = step or StepGraph(model, cache)
     for t in range(prefix, ids.shape[1]):
         yield step(ids[:, t : t + 1], positions[:, t : t + 1]).clone()  # the graph's buffer is reused
@@ -128,11 +132,11 @@ def scoring_layout(pairs: Pairs) -> tuple[int, int, int]:
     return prefix, offset, prefix + offset + max(len(continuation) for _, continuation in pairs)
 
 
-def scoring_plan(model: PreTrainedModel, settings: dict, pairs: Pairs) -> memory.MemoryPlan:
-    """The memory plan of scoring ``pairs`` together under ``settings``' GPU budget; refuses in one
-    line (``InfinigenError``) where it does not fit."""
+def scoring_plan(model: PreTrainedModel, settings: dict, pairs: Pairs, keeps: bool = False) -> memory.MemoryPlan:
+    """The memory plan of scoring ``pairs`` together under ``settings``' GPU budget (``keeps``: the prompt
+    kept); refuses in one line (``InfinigenError``) where it does not fit."""
     prefix, _, width = scoring_layout(pairs)
-    found = planned(model, settings, len(pairs), prefix, width - 1 - prefix)
+    found = planned(model, settings, len(pairs), prefix, width - 1 - prefix, keeps=keeps)
     if why := memory.why_not(found):
         raise InfinigenError(why)
     return found
@@ -223,11 +227,17 @@ def auto_batch(model: PreTrainedModel, settings: dict, most: int, prefix: int, n
 
 
 def planned(
-    model: PreTrainedModel, settings: dict, batch: int, prefix: int, new_tokens: int, chunk: int | None = PREFILL_CHUNK
+    model: PreTrainedModel,
+    settings: dict,
+    batch: int,
+    prefix: int,
+    new_tokens: int,
+    chunk: int | None = PREFILL_CHUNK,
+    keeps: bool = False,
 ) -> memory.MemoryPlan:
     """The memory plan of ``batch`` rows prefilled with ``prefix`` tokens (in chunks of ``chunk``; None: at
     once), then ``new_tokens`` decode steps, with ``settings`` (``RuntimeConfig`` fields), under their
-    GPU budget."""
+    GPU budget; ``keeps``: their prompts are kept (``Workload.keeps``)."""
     config = config_from(settings)
     budget = memory.budget_bytes(config.gpu_memory_gb, next(model.parameters()).device)
-    return memory.plan_for(model, config, memory.Workload(batch, prefix, new_tokens, chunk), budget)
+    return memory.plan_for(model, config, memory.Workload(batch, prefix, new_tokens, chunk, keeps=keeps), budget)

@@ -39,7 +39,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from infinigen.errors import InfinigenError
 from infinigen.eval.decoding import continuation_scores, planned, scoring_plan
 from infinigen.runtime import cache_argument, cache_for, decode, load
-from infinigen.runtime.config import RUNTIME_FIELDS, config_from, parse_value
+from infinigen.runtime.cache.prompts import PromptCache
+from infinigen.runtime.config import KEPT_CHUNK, RUNTIME_FIELDS, config_from, parse_value
 from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.text import pad_token_id
 
@@ -104,6 +105,9 @@ class HarnessModel:
         self.max_length = int(self.max_length or self.model.config.max_position_embeddings)
         tokenizer = self.tokenizer
         self.pad = pad_token_id(tokenizer)
+        # a request scored or generated alone starts from the longest kept prompt it shares (a few-shot preamble,
+        # a haystack before its needle): batched ones are computed whole
+        self.prompts = PromptCache.of(config_from(self.settings))
 
     @property
     def prefix_token_id(self) -> int:
@@ -150,12 +154,19 @@ class HarnessModel:
         ):
             for start in range(0, len(group), self.batch_size):
                 batch = [pairs[i] for i in group[start : start + self.batch_size]]
-                found = scoring_plan(self.model, self.settings, batch)
-                with cache_for(self.model, self.artifact, plan=found) as cache:
+                kept = self._kept(len(batch))
+                found = scoring_plan(self.model, self.settings, batch, keeps=kept is not None)
+                if kept is not None:
+                    kept.make_room(found)
+                with cache_for(self.model, self.artifact, plan=found, prompts=kept) as cache:
                     scores = continuation_scores(self.model, cache, batch, self.pad, found.workload.chunk)
                 for i, score in zip(group[start : start + self.batch_size], scores, strict=True):
                     results[i] = score
         return results  # type: ignore[return-value]
+
+    def _kept(self, rows: int) -> PromptCache | None:
+        """The kept prompts a batch of ``rows`` starts from and adds to: one row's only."""
+        return self.prompts if rows == 1 else None
 
     def _fit(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
         """The pair within ``max_length + 1`` tokens (the last is only predicted, never fed): the
@@ -220,11 +231,17 @@ class HarnessModel:
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)
-        found = planned(self.model, self.settings, len(prompts), width, new_tokens, chunk=None)
+        kept = self._kept(
+            len(prompts)
+        )  # in the chunks kept prompts take: a served prompt's rest ends where a cold one's
+        chunk = KEPT_CHUNK if kept is not None else None
+        found = planned(self.model, self.settings, len(prompts), width, new_tokens, chunk=chunk, keeps=bool(kept))
         if why := memory.why_not(found):
             raise InfinigenError(why)
+        if kept is not None:
+            kept.make_room(found)
         chunk = found.workload.prefill_chunk
-        with cache_for(self.model, self.artifact, plan=found) as cache:
+        with cache_for(self.model, self.artifact, plan=found, prompts=kept) as cache:
             output = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,

@@ -5,7 +5,9 @@ boundary near a token depth (0: the start, 1: just before the question), then th
 ``t`` of every cell takes the ``t``-th passage: the books cut into consecutive ``length``-token
 slices, book after book, so more books give more trials. The
 passage is prefilled densely; the question is fed one token per decode step and the answer decoded
-greedily, step by step, so the needle has to be fetched back from the CPU pool to be answered.
+greedily, step by step, so the needle has to be fetched back from the CPU pool to be answered. Where
+prompts are kept and answered one at a time, a passage's prompts run deepest needle first, each served
+the passage before its own needle by the one before (a cold run's state there, to rounding).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.eval.decoding import auto_batch, greedy_after, planned
 from infinigen.runtime import cache_for
+from infinigen.runtime.cache.prompts import PromptCache
+from infinigen.runtime.config import config_from
 from infinigen.runtime.memory import plan as memory
 
 NEEDLE = " The secret code is {code}."
@@ -105,16 +109,20 @@ def answers(
     artifact: Artifact | None,
     prompts: list[NeedlePrompt],
     found: memory.MemoryPlan,
+    kept: PromptCache | None = None,
 ) -> list[dict]:
     """Prompts of one length (no padding) through one fresh cache under the plan ``found`` (of the longest
     prompts), a row each: the greedy answer, whether it holds the code, the share of the cached tokens a step
-    fetched (the batch's)."""
+    fetched (the batch's), the prompt tokens a kept prompt (``kept``, for one prompt) served."""
     if len({len(prompt.ids) for prompt in prompts}) != 1:
         raise ValueError("prompts answered together must have one length")
-    cache = cache_for(model, artifact, plan=found)
+    if kept is not None:
+        kept.make_room(found)
+    cache = cache_for(model, artifact, plan=found, prompts=kept)
     ids = torch.tensor([prompt.ids for prompt in prompts], device=model.device)
     outputs = tokenizer.batch_decode(greedy_after(model, cache, ids, prompts[0].question_start, ANSWER_TOKENS))
-    fetched = cache.summary()["fraction_fetched"]
+    summary = cache.summary()
+    fetched, served = summary["fraction_fetched"], summary["cached_tokens"]
     return [
         {
             "length": prompt.length,
@@ -125,9 +133,17 @@ def answers(
             "output": output,
             "correct": prompt.code in output,
             "fraction_fetched": fetched,
+            "cached_tokens": served,
         }
         for prompt, output in zip(prompts, outputs, strict=True)
     ]
+
+
+def reuse_order(prompts: list[NeedlePrompt]) -> list[int]:
+    """The order in which a kept prompt serves most of each next one: a passage's prompts deepest needle first,
+    so that each is served the passage up to its own needle by the one before (an earlier needle would end the
+    prefix they share). Indices into ``prompts``."""
+    return sorted(range(len(prompts)), key=lambda i: (len(prompts[i].ids), prompts[i].trial, -prompts[i].depth))
 
 
 def needle_accuracy(
@@ -142,7 +158,9 @@ def needle_accuracy(
 ) -> dict:
     """Accuracy per (length, depth) cell and overall; ``settings`` are ``RuntimeConfig`` fields. Prompts of
     one length are answered ``batch`` at a time through one cache (0: as many as ``auto_batch`` says for the
-    longest). ``on_answer`` gets each prompt's answer as it comes."""
+    longest). One at a time, where prompts are kept (``keeps_prompts``), each is served the passage before its
+    needle by the prompt answered before it (``reuse_order``; ``cached_tokens``). ``on_answer`` gets each
+    prompt's answer as it comes; the report holds them in the order of ``prompts``."""
     if batch < 0:
         raise InfinigenError(f"batch must be >= 0, got {batch}")
     longest = max(prompts, key=lambda prompt: len(prompt.ids))
@@ -152,15 +170,21 @@ def needle_accuracy(
         by_length.setdefault(len(prompt.ids), []).append(prompt)
     most = max(len(group) for group in by_length.values())
     rows = batch or auto_batch(model, settings, most, longest.question_start, fed + ANSWER_TOKENS)
-    found = planned(model, settings, rows, longest.question_start, fed + ANSWER_TOKENS)
+    kept = PromptCache.of(config_from(settings), most=1) if rows == 1 else None  # the one before serves the next
+    found = planned(model, settings, rows, longest.question_start, fed + ANSWER_TOKENS, keeps=kept is not None)
     if why := memory.why_not(found):
         raise InfinigenError(why)
-    answered = []
-    for group in by_length.values():  # every batch with the settings the longest one's plan leaves
+    order = reuse_order(prompts) if kept is not None else list(range(len(prompts)))
+    by_index: dict[int, dict] = {}
+    for length in dict.fromkeys(len(prompts[i].ids) for i in order):  # batches with the longest plan's settings
+        group = [i for i in order if len(prompts[i].ids) == length]
         for start in range(0, len(group), rows):
-            for row in answers(model, tokenizer, artifact, group[start : start + rows], found):
-                answered.append(row)
+            indices = group[start : start + rows]
+            rows_answered = answers(model, tokenizer, artifact, [prompts[i] for i in indices], found, kept)
+            for i, row in zip(indices, rows_answered, strict=True):
+                by_index[i] = row
                 on_answer(row)
+    answered = [by_index[i] for i in range(len(prompts))]
     cells: dict[tuple[int, float], list[bool]] = {}
     for a in answered:
         cells.setdefault((a["length"], a["depth"]), []).append(a["correct"])
@@ -170,6 +194,7 @@ def needle_accuracy(
         "memory_plan": memory.summary(found),
         "accuracy": round(sum(a["correct"] for a in answered) / len(answered), 4),
         "fraction_fetched": round(sum(a["fraction_fetched"] for a in answered) / len(answered), 4),
+        "cached_tokens": sum(a["cached_tokens"] for a in answered),  # of the prompts', from the one before
         "cells": [
             {"length": length, "depth": depth, "accuracy": round(sum(hits) / len(hits), 4), "trials": len(hits)}
             for (length, depth), hits in cells.items()

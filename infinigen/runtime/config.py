@@ -219,8 +219,9 @@ class RuntimeConfig:
         None,
         "Host memory in GB (10^9 bytes) for prompts kept across the requests of a server (a later prompt that "
         "starts with a kept one computes only the rest), the least recently used evicted first (and for a request's "
-        "pool); a batch job keeps the prefix its requests share. Default: half the host memory available at start "
-        "(more than it is refused); 0: none.",
+        "pool); a batch job keeps the prefix its requests share, eval needle and lm-eval requests run one at a time "
+        "the prompt before. Default: half the host memory available at start (more than it is refused); 0: none "
+        "(none beside --cpu-pool-gb).",
     )
     # Tuning of the CUDA row gather (``kernels.transfer``): measured in BENCHMARKS.md, "Micro-benchmarks".
     gather_programs: int | None = option(
@@ -276,6 +277,11 @@ class RuntimeConfig:
             raise InfinigenError(f"draft_tokens must be at least 0 (0: adaptive), got {self.draft_tokens}")
         if self.exact and self.kv_bits == 8:
             raise InfinigenError("exact decoding verifies against the model's own KV: it needs kv_bits 16, not 8")
+        if self.prompt_cache_gb and self.cpu_pool_gb is not None:
+            raise InfinigenError(
+                "kept prompts need an unlimited CPU pool (a limited one rewrites its slots): leave cpu_pool_gb out, "
+                "or give prompt_cache_gb 0"
+            )
         if self.reuse_rows == "on" and self.cpu_pool_gb is not None:
             raise InfinigenError("reuse_rows needs an unlimited CPU pool (an evicted slot would leave a stale row)")
 

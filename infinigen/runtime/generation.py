@@ -118,6 +118,23 @@ def prefill(
     return logits
 
 
+def served_prefill(
+    model: PreTrainedModel, cache, ids: torch.Tensor, mask: torch.Tensor, chunk: int | None = None
+) -> tuple[torch.Tensor, bool]:
+    """``prefill`` into the empty ``cache``, which, where it keeps prompts (``cache.prompts``) and ``ids`` is one
+    unpadded row, first takes the longest kept prompt ``ids`` starts with (only the rest is computed): the
+    next-token logits (B, vocab), and whether the prompt is to be kept (``keep(cache, ids[0])`` before any step;
+    not where the prompts are read-only)."""
+    prompts = getattr(cache, "prompts", None)  # None: another cache (transformers' own, a baseline's)
+    kept_here = prompts is not None and ids.shape[0] == 1 and bool(mask.all()) and not cache.get_seq_length()
+    if kept_here:
+        kept, served = cache.prompts.match(cache.prompt_key, ids[0])
+        if kept is not None:
+            restore(cache, kept, served)
+    logits = prefill(model, cache, ids, mask, chunk, start=cache.get_seq_length())
+    return logits, kept_here and not prompts.read_only
+
+
 @torch.no_grad()
 def decode(
     model: PreTrainedModel,
@@ -158,15 +175,10 @@ def decode(
     work = Workload(batch, context, generation_config.max_length - context, asked, padded, keeps=keeps)
     chunk = plan_run(cache, work).workload.prefill_chunk
     cache.prefill_chunks = (asked, chunk)
-    keeps = cache.prompts is not None and batch == 1 and bool(mask.all()) and not cache.get_seq_length()
-    if keeps:  # the longest kept prompt this one starts with: only the rest is computed
-        kept, served = cache.prompts.match(cache.prompt_key, input_ids[0])
-        if kept is not None:
-            restore(cache, kept, served)
-    logits = prefill(model, cache, input_ids, mask, chunk, start=cache.get_seq_length())
+    logits, keeps = served_prefill(model, cache, input_ids, mask, chunk)
     emit = Emitter(input_ids, logits_processor, stopping_criteria, generation_config, streamer)
     token = emit(logits)
-    if keeps and not cache.prompts.read_only:  # after the first token is out (its copies are not on its path)
+    if keeps:  # after the first token is out (its copies are not on its path)
         cache.prompts.add(keep(cache, input_ids[0]))
     step = StepGraph(model, cache)
     position = (mask.long().sum(-1, keepdim=True) - 1).clamp(min=0)  # (B, 1) of the last prompt token

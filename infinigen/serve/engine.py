@@ -186,7 +186,8 @@ class Engine:
         # the GPU budget every batch is planned in, measured once with the weights loaded and nothing running:
         # batches run one at a time, each with the whole of it (measured while one runs, it would be less)
         self.budget = memory.budget_bytes(self.config.gpu_memory_gb, self.device)
-        self.prompts = _prompt_cache(self.config.prompt_cache_gb)
+        # a request's pool comes first: kept prompts are evicted for it where the host cannot hold both (``admit``)
+        self.prompts = PromptCache.of(self.config)
         self.context = model.config.max_position_embeddings
         self.pad = pad_token_id(tokenizer)
         configured = getattr(model.generation_config, "eos_token_id", None)
@@ -282,8 +283,8 @@ class Engine:
                 "max_tokens",
             )
         found = self._plan([ids], new_tokens, keeps=self.prompts is not None)
-        while self.prompts is not None and len(self.prompts) and not memory.fits_host(found):
-            self.prompts.evict()  # the host's memory for this request's pool first
+        if self.prompts is not None:
+            self.prompts.make_room(found)
         if why := memory.why_not(found):
             raise RequestError(why, "messages" if ask.chat else "prompt")
         return ids, new_tokens, found
@@ -435,18 +436,3 @@ class Engine:
             cached = cache.reused_tokens
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return cached, peak
-
-
-def _prompt_cache(gb: float | None) -> PromptCache | None:
-    """The server's kept prompts: ``gb`` GB of host memory, by default half of what the host has free now, none at 0;
-    more than the host has free is refused in one line. A request's pool comes first: kept prompts are evicted for
-    it where the host cannot hold both (``Engine.admit``)."""
-    available = memory.host_available_bytes()
-    if gb is None:
-        return PromptCache(None if available is None else available / 2 / 1e9)
-    if available is not None and gb * 1e9 > available:
-        raise InfinigenError(
-            f"prompt_cache_gb {gb:g} is more than the host memory available now ({memory.gb(available)} GB): "
-            "give less, or 0 to keep no prompts"
-        )
-    return PromptCache(gb) if gb > 0 else None

@@ -25,6 +25,7 @@ import torch
 from infinigen.architectures import fingerprint
 from infinigen.errors import InfinigenError
 from infinigen.runtime.cache.kept import KeptPrompt
+from infinigen.runtime.memory import plan as memory
 from infinigen.runtime.selection.policies import row_bits
 
 # the settings a kept prompt's state depends on (the prefill's numbers and what its layers keep); the others
@@ -88,6 +89,12 @@ def prompt_name(kept: KeptPrompt) -> str:
     return digest.hexdigest()[:32]
 
 
+def keeps_prompts(config) -> bool:
+    """Whether runs with ``config`` (a ``RuntimeConfig``) keep prompts: a prompt cache above 0 GB, beside an unlimited
+    CPU pool (a limited one rewrites its slots)."""
+    return config.prompt_cache_gb != 0 and config.cpu_pool_gb is None
+
+
 def _locked(method):
     """``method`` under its PromptCache's lock: a server's requests are admitted while a batch decodes."""
 
@@ -100,21 +107,39 @@ def _locked(method):
 
 
 class PromptCache:
-    """Kept prompts in host memory, at most ``gb`` GB (10^9 bytes; None: no limit) of them, least recently
-    used evicted first. Blocks shared by several kept prompts (a conversation's turns) count once. Safe to
+    """Kept prompts in host memory, at most ``gb`` GB (10^9 bytes; None: no limit) and ``most`` of them, least
+    recently used evicted first. Blocks shared by several kept prompts (a conversation's turns) count once. Safe to
     share between threads. ``read_only``: a run served from it keeps no prompt of its own (one document's
     questions: each would copy the document's GPU-resident parts again, after its first token)."""
 
-    def __init__(self, gb: float | None = None, read_only: bool = False) -> None:
+    def __init__(self, gb: float | None = None, read_only: bool = False, most: int | None = None) -> None:
         if gb is not None and not gb >= 0:
             raise InfinigenError(f"prompt_cache_gb must be >= 0, got {gb}")
         self.budget = None if gb is None else int(gb * 1e9)
         self.read_only = read_only
+        self.most = most  # kept prompts at most (None: as many as the budget holds)
         self.entries: OrderedDict[int, KeptPrompt] = OrderedDict()  # by id, least recently used first
         self.index: dict[bytes, set[int]] = {}  # block hash -> the kept prompts holding that prefix
         self.hits = self.misses = self.evicted = 0
         self.newest: KeptPrompt | None = None  # the latest added (a prompt file's next contents)
         self.lock = threading.RLock()
+
+    @classmethod
+    def of(cls, config, most: int | None = None) -> PromptCache | None:
+        """The kept prompts of ``config`` (a ``RuntimeConfig``): ``prompt_cache_gb`` GB of host memory, by default
+        half of what the host has free now; none at 0 or beside a limited CPU pool (``cpu_pool_gb``, whose slots
+        are rewritten); more than the host has free is refused in one line."""
+        gb, available = config.prompt_cache_gb, memory.host_available_bytes()
+        if not keeps_prompts(config):
+            return None
+        if gb is None:
+            return cls(None if available is None else available / 2 / 1e9, most=most)
+        if available is not None and gb * 1e9 > available:
+            raise InfinigenError(
+                f"prompt_cache_gb {gb:g} is more than the host memory available now ({memory.gb(available)} GB): "
+                "give less, or 0 to keep no prompts"
+            )
+        return cls(gb, most=most)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -160,7 +185,16 @@ class PromptCache:
         self.entries[id(kept)] = kept
         for digest in hashes:
             self.index.setdefault(digest, set()).add(id(kept))
-        while self.budget is not None and self.entries and self.nbytes > self.budget:
+        while self.entries and (
+            (self.budget is not None and self.nbytes > self.budget) or (self.most is not None and len(self) > self.most)
+        ):
+            self.evict()
+
+    @_locked
+    def make_room(self, found) -> None:
+        """Evict the least recently used until the host can hold the run of plan ``found`` beside the rest: a run's
+        pool comes before kept prompts."""
+        while self.entries and not memory.fits_host(found):
             self.evict()
 
     @_locked
