@@ -231,11 +231,10 @@ class HarnessModel:
         width = max(map(len, prompts))
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=self.model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)
-        kept = self._kept(
-            len(prompts)
-        )  # in the chunks kept prompts take: a served prompt's rest ends where a cold one's
-        chunk = KEPT_CHUNK if kept is not None else None
-        found = planned(self.model, self.settings, len(prompts), width, new_tokens, chunk=chunk, keeps=bool(kept))
+        kept = self._kept(len(prompts))
+        chunk = KEPT_CHUNK if kept is not None else None  # a served prompt's rest ends its chunks where a cold one's
+        keeps = kept is not None
+        found = planned(self.model, self.settings, len(prompts), width, new_tokens, chunk=chunk, keeps=keeps)
         if why := memory.why_not(found):
             raise InfinigenError(why)
         if kept is not None:
