@@ -156,8 +156,6 @@ class HarnessModel:
                 batch = [pairs[i] for i in group[start : start + self.batch_size]]
                 kept = self._kept(len(batch))
                 found = scoring_plan(self.model, self.settings, batch, keeps=kept is not None)
-                if kept is not None:
-                    kept.make_room(found)
                 with cache_for(self.model, self.artifact, plan=found, prompts=kept) as cache:
                     scores = continuation_scores(self.model, cache, batch, self.pad, found.workload.chunk)
                 for i, score in zip(group[start : start + self.batch_size], scores, strict=True):
@@ -237,8 +235,6 @@ class HarnessModel:
         found = planned(self.model, self.settings, len(prompts), width, new_tokens, chunk=chunk, keeps=keeps)
         if why := memory.why_not(found):
             raise InfinigenError(why)
-        if kept is not None:
-            kept.make_room(found)
         chunk = found.workload.prefill_chunk
         with cache_for(self.model, self.artifact, plan=found, prompts=kept) as cache:
             output = self.model.generate(

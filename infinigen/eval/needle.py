@@ -116,8 +116,6 @@ def answers(
     fetched (the batch's), the prompt tokens a kept prompt (``kept``, for one prompt) served."""
     if len({len(prompt.ids) for prompt in prompts}) != 1:
         raise ValueError("prompts answered together must have one length")
-    if kept is not None:
-        kept.make_room(found)
     cache = cache_for(model, artifact, plan=found, prompts=kept)
     ids = torch.tensor([prompt.ids for prompt in prompts], device=model.device)
     outputs = tokenizer.batch_decode(greedy_after(model, cache, ids, prompts[0].question_start, ANSWER_TOKENS))

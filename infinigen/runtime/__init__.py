@@ -87,7 +87,8 @@ def cache_for(
     The cache runs under a memory plan: ``plan`` (``memory.plan``'s, for the run it was made for; then no
     ``settings``), else its own, made at its first prefill within ``gpu_memory_gb`` or the device's free
     memory (``runtime.cache.planning``). ``prompts``: kept prompts (``PromptCache``) that ``infinigen.decode``
-    starts a one-row prompt from (computing only the rest) and adds the prompt to."""
+    starts a one-row prompt from (computing only the rest) and adds the prompt to; with a ``plan``, the least
+    recently used are evicted first where the host cannot hold its run beside them."""
     from infinigen.artifacts import open_artifact
     from infinigen.runtime.cache import InfinigenCache
     from infinigen.runtime.memory.plan import cache_settings
@@ -99,6 +100,8 @@ def cache_for(
         if settings:
             raise InfinigenError("cache_for takes a plan or settings, not both: the plan's settings run")
         settings = cache_settings(plan)
+        if prompts is not None:  # the run's pool before kept prompts, where the host cannot hold both
+            prompts.make_room(plan)
     return InfinigenCache(model, config_from(settings), artifact, plan, prompts)
 
 

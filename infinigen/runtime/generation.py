@@ -128,7 +128,7 @@ def served_prefill(
     prompts = getattr(cache, "prompts", None)  # None: another cache (transformers' own, a baseline's)
     kept_here = prompts is not None and ids.shape[0] == 1 and bool(mask.all()) and not cache.get_seq_length()
     if kept_here:
-        kept, served = cache.prompts.match(cache.prompt_key, ids[0])
+        kept, served = prompts.match(cache.prompt_key, ids[0])
         if kept is not None:
             restore(cache, kept, served)
     logits = prefill(model, cache, ids, mask, chunk, start=cache.get_seq_length())

@@ -129,9 +129,9 @@ class PromptCache:
         """The kept prompts of ``config`` (a ``RuntimeConfig``): ``prompt_cache_gb`` GB of host memory, by default
         half of what the host has free now; none at 0 or beside a limited CPU pool (``cpu_pool_gb``, whose slots
         are rewritten); more than the host has free is refused in one line."""
-        gb, available = config.prompt_cache_gb, memory.host_available_bytes()
         if not keeps_prompts(config):
             return None
+        gb, available = config.prompt_cache_gb, memory.host_available_bytes()
         if gb is None:
             return cls(None if available is None else available / 2 / 1e9, most=most)
         if available is not None and gb * 1e9 > available:
