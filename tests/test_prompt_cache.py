@@ -311,3 +311,125 @@ def test_generate_prompt_cache_across_runs(prepared, tokenizer, tmp_path):
     for command in (base + ["--prompt-file", str(second)], ["inspect"]):
         cut = invoke(*command, *(["--prompt-cache"] if command != ["inspect"] else []), str(path))
         assert cut.exit_code == 2 and "cut" in cut.output and "Traceback" not in cut.output
+
+
+def batch_of(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (1, n) left-padded into ids and a mask (B, T)."""
+    n = max(row.shape[1] for row in rows)
+    padded, mask = torch.ones(len(rows), n, dtype=torch.long), torch.zeros(len(rows), n, dtype=torch.long)
+    for i, row in enumerate(rows):
+        padded[i, n - row.shape[1] :], mask[i, n - row.shape[1] :] = row[0], 1
+    return padded, mask
+
+
+def batch_answer(model, artifact, rows, prompts, **settings) -> tuple[list[list[int]], list[int] | None]:
+    padded, mask = batch_of(rows)
+    with infinigen.cache_for(model, artifact, prompts=prompts, **(SETTINGS | settings)) as cache:
+        out = model.generate(padded, attention_mask=mask, past_key_values=cache, custom_generate=infinigen.decode,
+                             max_new_tokens=6, do_sample=False, prefill_chunk_size=CHUNK, pad_token_id=1)  # fmt: skip
+        return out[:, padded.shape[1] :].tolist(), cache.reused_rows
+
+
+def row_state(cache, row: int, offset: int) -> dict[str, torch.Tensor]:
+    """Row ``row`` of a batch cache from slot ``offset`` on, as ``state`` has a kept prompt (a batch of one)."""
+    tensors, n = {}, cache.get_seq_length() - offset
+    for i, layer in enumerate(cache.layers):
+        per_slot = {"valid": layer.valid}
+        if hasattr(layer, "pool"):
+            tensors[f"{i}.rows"] = torch.cat(layer.pool.blocks, dim=2)[row : row + 1, :, offset : offset + n]
+            if layer.pool.kv_bits == 8:
+                per_slot["scales"] = layer.pool.scales
+                tensors[f"{i}.factors"] = layer.pool.factors[row : row + 1]
+            per_slot |= {f"policy.{k}": v for k, v in vars(layer.policy).items() if isinstance(v, torch.Tensor)}
+        else:
+            per_slot |= {"keys": layer.keys, "values": layer.values}
+        tensors |= {f"{i}.{name}": t[row : row + 1, :, offset : offset + n] for name, t in per_slot.items()}
+    return tensors
+
+
+@pytest.mark.parametrize("policy", ["dense", "full", "infinigen", "oracle", "int4", "h2o"])
+def test_a_batch_prefills_a_row_at_a_time_each_row_as_alone(setup, policy):
+    """Where prompts are kept, each row of a batch is prefilled in a cache of its own and restored right-aligned:
+    its logits, its slots and the prompt it keeps are those it has alone, bit for bit, padding in front."""
+    from infinigen.runtime.cache.planning import plan_run
+    from infinigen.runtime.generation import served_prefill
+    from infinigen.runtime.memory.plan import Workload
+
+    model, artifact = setup
+    rows = [ids(1, 2 * CHUNK + 6), ids(2, CHUNK + 13), ids(3, 3 * CHUNK - 4)]
+    alone = []
+    for row in rows:
+        prompts = PromptCache()
+        with torch.no_grad(), infinigen.cache_for(model, artifact, prompts=prompts, **SETTINGS, policy=policy) as c:
+            plan_run(c, Workload(1, row.shape[1], 6, CHUNK, keeps=True))
+            logits, _ = served_prefill(model, c, row, torch.ones_like(row), CHUNK)
+            alone.append((logits, state(keep(c, row[0]))))
+    padded, mask = batch_of(rows)
+    prompts = PromptCache()
+    with torch.no_grad(), infinigen.cache_for(model, artifact, prompts=prompts, **SETTINGS, policy=policy) as cache:
+        found = plan_run(cache, Workload(3, padded.shape[1], 6, CHUNK, True, keeps=True, rowwise=True))
+        assert found.workload.rowwise
+        logits, keeps = served_prefill(model, cache, padded, mask, CHUNK)
+        assert not keeps and cache.reused_rows == [0, 0, 0]
+        for b, (row, (row_logits, row_kept)) in enumerate(zip(rows, alone, strict=True)):
+            assert torch.equal(logits[b], row_logits[0])
+            offset = padded.shape[1] - row.shape[1]
+            n = row.shape[1]  # a kept tensor's slots past the prompt's are unused (factors: 2 along dim 2)
+            assert_same(row_state(cache, b, offset), {name: t[:, :, :n] for name, t in row_kept.items()})
+            assert not cache.layers[0].valid[b, :, :offset].any()  # its padding
+    assert len(prompts) == 3
+    for kept, (_, row_kept) in zip(prompts.entries.values(), alone, strict=True):
+        assert_same(state(kept), row_kept)
+
+
+def test_a_batch_of_kept_rows_gives_each_row_its_alone_tokens_and_serves_the_next_questions(setup):
+    model, artifact = setup
+    rows = [ids(1, 2 * CHUNK + 6), ids(2, CHUNK + 13), ids(3, 3 * CHUNK - 4)]
+    prompts = PromptCache()
+    tokens, served = batch_answer(model, artifact, rows, prompts, policy="full")
+    assert served == [0, 0, 0] and tokens == [
+        answer(model, artifact, row, PromptCache(), policy="full")[0] for row in rows
+    ]
+    questions = [torch.cat([row, ids(9 + i, 7)], dim=1) for i, row in enumerate(rows)]
+    tokens, served = batch_answer(model, artifact, questions, prompts, policy="full")
+    assert served == [row.shape[1] for row in rows]  # each row's document, kept by the batch before
+    assert len(prompts) == 6
+    for question, row_tokens in zip(questions, tokens, strict=True):
+        warm = PromptCache()
+        warm.add(next(k for k in prompts.entries.values() if torch.equal(k.tokens, question[0, : k.length])))
+        assert row_tokens == answer(model, artifact, question, warm, policy="full")[0]
+
+
+def test_a_paged_policy_or_no_kept_prompts_prefill_a_batch_whole(setup):
+    model, artifact = setup
+    rows = [ids(1, CHUNK + 6), ids(2, CHUNK + 13)]
+    assert batch_answer(model, artifact, rows, PromptCache(), policy="quest")[1] is None
+    assert batch_answer(model, artifact, rows, None, policy="full")[1] is None
+
+
+def test_a_batch_of_rows_alone_is_planned_with_one_rows_prefill_and_their_kept_copies():
+    from transformers import AutoConfig
+
+    from infinigen.runtime.config import RuntimeConfig
+    from infinigen.runtime.memory.plan import Workload, model_of, plan
+
+    shape = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+    model = model_of(AutoConfig.for_model("llama", intermediate_size=1024, vocab_size=1000, **shape), torch.float16)
+    config = RuntimeConfig(policy="full")
+    whole, rowwise, one = (
+        plan(model, torch.float16, Workload(b, 8192, 64, 2048, keeps=True, rowwise=r), config)
+        for b, r in ((4, False), (4, True), (1, False))
+    )
+    parts = {
+        name: {p.name: p.nbytes for p in found.parts}
+        for name, found in [("whole", whole), ("rowwise", rowwise), ("one", one)]
+    }
+    prefill = [name for name in parts["whole"] if name.startswith("prefill:")]
+    assert all(parts["rowwise"][name] == parts["one"][name] for name in prefill)
+    assert rowwise.gpu("prefill") < whole.gpu("prefill") and rowwise.gpu("decode") == whole.gpu("decode")
+    kept = parts["rowwise"]["the rows' kept prompts"]
+    prompt_only = {
+        p.name: p.nbytes for p in plan(model, torch.float16, Workload(4, 8192, 0, 2048, keeps=True), config).parts
+    }
+    assert kept == prompt_only["CPU KV pool"] + prompt_only["dense layers' KV"]  # each row's prompt, as kept
+    assert rowwise.host == whole.host + kept

@@ -124,17 +124,22 @@ def test_a_failing_batch_runs_its_rows_again_alone_and_only_the_one_at_fault_fai
             assert answer == solo(solo_engine, ask.prompt, ask.max_tokens)
 
 
-def test_with_kept_prompts_long_requests_run_alone_and_are_kept_short_ones_batch(tiny_engine):
-    """Over one prefill chunk a request runs alone (so that its prompt is kept whole for the next question);
-    shorter ones share batches."""
+def test_with_kept_prompts_long_and_short_requests_batch_each_served_and_kept_as_alone(tiny_engine):
+    """Where prompts are kept a batch prefills a row at a time: long and short requests share batches, each with the
+    answer it gets alone and its prompt kept, and the next questions about the long ones are served in one batch."""
     model, tokenizer, artifact = tiny_engine.model, tiny_engine.tokenizer, tiny_engine.artifact
-    kept = Engine(model, tokenizer, artifact, {"prompt_cache_gb": 1, "block_tokens": 16}, "tiny", prefill_chunk=16)
+    settings = {"prompt_cache_gb": 1, "block_tokens": 16}
+    kept = Engine(model, tokenizer, artifact, settings, "tiny", prefill_chunk=16)
     long = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(3)]  # 30-odd tokens each
-    requests = [(*asked(kept, p, 12), lambda text: None) for p in [PROMPTS[0], *long, *PROMPTS[1:]]]
-    answers = in_threads(kept, requests)
+    rounds = [[PROMPTS[0], *long, *PROMPTS[1:]], [PROMPTS[0], *(document + " where is it" for document in long)]]
+    for prompts, batches, rows in zip(rounds, (2, 4), (7, 11), strict=True):
+        answers = in_threads(kept, [(*asked(kept, p, 12), lambda text: None) for p in prompts])
+        assert (kept.metrics.batches, kept.metrics.batched_rows) == (batches, rows), "the waiting ones together"
+        for prompt, answer in zip(prompts, answers, strict=True):
+            cold = solo(Engine(model, tokenizer, artifact, settings, "tiny", prefill_chunk=16), prompt, 12)
+            assert answer.text == cold.text and cold.cached_tokens == 0
+    assert [a.cached_tokens for a in answers[1:]] == [len(tokenizer(d)["input_ids"]) for d in long]
     assert all(a.completion_tokens for a in answers)
-    assert kept.metrics.batches == 5 and kept.metrics.batched_rows == 7, "three long ones alone, three short together"
-    assert len(kept.prompts) == 3
 
 
 def test_kept_prompts_written_at_shutdown_serve_the_next_server_with_the_cold_tokens(tiny_engine, tmp_path):

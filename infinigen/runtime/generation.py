@@ -20,11 +20,12 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
+from infinigen.architectures import sliding_windows
 from infinigen.errors import InfinigenError
 from infinigen.runtime import exact
 from infinigen.runtime.cache import InfinigenCache
 from infinigen.runtime.cache.graphs import capture
-from infinigen.runtime.cache.kept import keep, restore
+from infinigen.runtime.cache.kept import keep, restorable_rows, restore, restore_rows
 from infinigen.runtime.cache.planning import plan_run
 from infinigen.runtime.config import KEPT_CHUNK
 from infinigen.runtime.memory.plan import Workload
@@ -124,8 +125,11 @@ def served_prefill(
     """``prefill`` into the empty ``cache``, which, where it keeps prompts (``cache.prompts``) and ``ids`` is one
     unpadded row, first takes the longest kept prompt ``ids`` starts with (only the rest is computed): the
     next-token logits (B, vocab), and whether the prompt is to be kept (``keep(cache, ids[0])`` before any step;
-    not where the prompts are read-only)."""
+    not where the prompts are read-only). A batch there is prefilled a row at a time (``rows_alone``), each row
+    served and kept alone."""
     prompts = getattr(cache, "prompts", None)  # None: another cache (transformers' own, a baseline's)
+    if prompts is not None and rows_alone(model, cache, ids.shape[0]) and not cache.get_seq_length():
+        return _rows_prefilled_alone(model, cache, ids, mask, chunk), False
     kept_here = prompts is not None and ids.shape[0] == 1 and bool(mask.all()) and not cache.get_seq_length()
     if kept_here:
         kept, served = prompts.match(cache.prompt_key, ids[0])
@@ -133,6 +137,35 @@ def served_prefill(
             restore(cache, kept, served)
     logits = prefill(model, cache, ids, mask, chunk, start=cache.get_seq_length())
     return logits, kept_here and not prompts.read_only
+
+
+def rows_alone(model: PreTrainedModel, cache, batch: int) -> bool:
+    """Whether a batch's prompts are prefilled one row at a time (``_rows_prefilled_alone``): where ``cache`` keeps
+    prompts and its policy and layers let kept rows start where a left-padded batch's do."""
+    restorable = restorable_rows(cache.config.policy, sliding_windows(model.config))
+    return batch > 1 and cache.prompts is not None and restorable
+
+
+def _rows_prefilled_alone(model: PreTrainedModel, cache, ids: torch.Tensor, mask: torch.Tensor, chunk) -> torch.Tensor:
+    """Each row of ``ids`` (B, T), left-padded where ``mask`` is 0, prefilled alone in a cache of its own (served
+    from a kept prompt, and kept unless the prompts are read-only), then all restored into ``cache`` as its rows
+    (``kept.restore_rows``): each row's state and next-token logits (B, vocab) are those it has alone, whatever
+    its batch-mates (padding moves no chunk boundary), and every row's prompt serves the next question. The
+    prefill's workspace is one row's; the memory plan counts each row's kept copy on the host beside the pool."""
+    rows, logits, served = [], [], []
+    for row in range(ids.shape[0]):
+        tokens = ids[row][mask[row].bool()]  # (n,): the row's own tokens
+        with InfinigenCache(model, cache.config, cache.artifact, cache.memory_plan, cache.prompts) as alone:
+            alone.expect(tokens.numel())
+            row_logits, keeps = served_prefill(model, alone, tokens[None], torch.ones_like(tokens)[None], chunk)
+            rows.append(keep(alone, tokens))
+            served.append(alone.reused_tokens)
+        if keeps:
+            cache.prompts.add(rows[-1])
+        logits.append(row_logits)
+    restore_rows(cache, rows)
+    cache.reused_rows, cache.reused_tokens = served, sum(served)
+    return torch.cat(logits)
 
 
 @torch.no_grad()
@@ -172,7 +205,8 @@ def decode(
         asked = (cache.memory_plan.workload.prefill_chunk if cache.memory_plan is not None else None) or KEPT_CHUNK
     batch, context = input_ids.shape
     padded, keeps = not bool(mask.all()), cache.prompts is not None
-    work = Workload(batch, context, generation_config.max_length - context, asked, padded, keeps=keeps)
+    rowwise = rows_alone(model, cache, batch)
+    work = Workload(batch, context, generation_config.max_length - context, asked, padded, keeps=keeps, rowwise=rowwise)
     chunk = plan_run(cache, work).workload.prefill_chunk
     cache.prefill_chunks = (asked, chunk)
     logits, keeps = served_prefill(model, cache, input_ids, mask, chunk)

@@ -1,24 +1,25 @@
 """The server's engine: a loaded model, its artifact and runtime settings, and the requests waiting and running.
 
-Each request is planned alone before any work (``memory.plan``: its prompt, its new tokens, the GPU budget
-measured as the engine started): one that cannot fit is refused (a 400 with the plan's line). Admitted ones
-wait in arrival order; a worker thread takes them a batch at a time, the first waiting and those after it
-that decode alike (the same sampling, no seed) while the memory plan admits one more row, up to
-``max_batch``, and decodes the batch through one cache under that plan (``cache_for(..., plan=)``) with
-``infinigen.decode``, each row's tokens handed to its caller as they come. A new request waits for the next
-batch (running ones never wait for it). A row's greedy tokens are those it gets alone where the numerics let
-them be (each row's 8-bit key factors are its own; where prompts span several prefill chunks, padding moves
-a shorter row's chunk boundaries: BENCHMARKS.md, "Serving"). A row's stop strings, its own ``max_tokens``
-and its caller's ``stopped()`` (a client gone) end it at the next step; the batch's cache, closed, frees its
-memory whatever happened. A batch that fails runs its rows again alone where none had text yet, so only
-the request at fault gets the error.
+Each request is planned alone before any work (``memory.plan``: its prompt, its new tokens, the GPU budget measured
+as the engine started): one that cannot fit is refused (a 400 with the plan's line). Admitted ones wait in arrival
+order; a worker thread takes them a batch at a time, the first waiting and those after it that decode alike (the
+same sampling, no seed) while the memory plan admits one more row, up to ``max_batch``, and decodes the batch
+through one cache under that plan (``cache_for(..., plan=)``) with ``infinigen.decode``, each row's tokens handed to
+its caller as they come. A new request waits for the next batch (running ones never wait for it). A row's greedy
+tokens are those it gets alone where the numerics let them be: where prompts are kept, a batch prefills a row at a
+time (``generation.rows_alone``), so each row's prompt state and first token are its alone ones and only the decode
+steps' batched products differ; where they are not, padding moves a shorter row's chunk boundaries (BENCHMARKS.md,
+"Serving"). A row's stop strings, its own ``max_tokens`` and its caller's ``stopped()`` (a client gone) end it at
+the next step; the batch's cache, closed, frees its memory whatever happened. A batch that fails runs its rows again
+alone where none had text yet, so only the request at fault gets the error.
 
 Prompts are kept across requests in host memory (``PromptCache``, ``--prompt-cache-gb``): a request whose prompt
 starts with a kept one (a document asked about again, a conversation's earlier turns) computes only the rest
-(``KeptPrompt.usable``: a cold run's state, to rounding where the cut falls inside a chunk); its usage says how
-many came from the cache. A request over one prefill chunk runs alone, served from a kept prompt and keeping its
-own: a batch's rows are neither, and a long prompt's prefill gains little from company. Shorter prompts batch.
-Where the host cannot hold a request's pool beside the kept prompts, the least recently used go first.
+(``KeptPrompt.usable``: a cold run's state, to rounding where the cut falls inside a chunk); its usage says how many
+came from the cache. Each row of a batch is served and kept as it would be alone; where a policy's or a layer's
+state depends on where a row starts (Quest's pages, sliding windows), a request over one prefill chunk runs alone
+instead, and shorter ones batch unkept. Where the host cannot hold a request's pool beside the kept prompts, the
+least recently used go first.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
+from infinigen.architectures import sliding_windows
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_argument, cache_for, decode
+from infinigen.runtime.cache.kept import restorable_rows
 from infinigen.runtime.cache.prompt_file import PromptFileError, load_prompt, read_manifest, save_prompt
 from infinigen.runtime.cache.prompts import PromptCache, model_fingerprint, prompt_name
 from infinigen.runtime.config import KEPT_CHUNK, config_from
@@ -188,6 +191,8 @@ class Engine:
         self.budget = memory.budget_bytes(self.config.gpu_memory_gb, self.device)
         # a request's pool comes first: kept prompts are evicted for it where the host cannot hold both (``admit``)
         self.prompts = PromptCache.of(self.config)
+        # batches prefill a row at a time, each served from and kept in the prompt cache (``generation.rows_alone``)
+        self.rowwise = self.prompts is not None and restorable_rows(self.config.policy, sliding_windows(model.config))
         self.context = model.config.max_position_embeddings
         self.pad = pad_token_id(tokenizer)
         configured = getattr(model.generation_config, "eos_token_id", None)
@@ -295,8 +300,8 @@ class Engine:
         does; a batched row has the chunks it has alone), else the prompt in one forward where it fits (the
         fastest); the plan's chunks where they must be smaller."""
         chunk = self.prefill_chunk if self.prompts is not None else None
-        lengths = {len(ids) for ids in prompts}
-        work = memory.Workload(len(prompts), max(lengths), new_tokens, chunk, len(lengths) > 1, keeps=keeps)
+        lengths, rowwise = {len(ids) for ids in prompts}, keeps and self.rowwise and len(prompts) > 1
+        work = memory.Workload(len(prompts), max(lengths), new_tokens, chunk, len(lengths) > 1, keeps, rowwise=rowwise)
         return memory.plan_for(self.model, self.config, work, self.budget)
 
     def run(
@@ -335,8 +340,8 @@ class Engine:
     def _take(self) -> tuple[list[Waiting], memory.MemoryPlan] | None:
         """The next batch and its plan (``waiting`` locked): the first request waiting, then those after it that
         decode alike while the plan admits one more row, up to ``max_batch`` (with a paged policy, Quest's, of the
-        first one's length only). One with a seed runs alone (its own random stream), as do those kept prompts
-        concern (``_batches``). Those whose client left are answered, unrun."""
+        first one's length only). One with a seed runs alone (its own random stream), as do long ones where
+        kept rows cannot be placed in a batch (``_batches``). Those whose client left are answered, unrun."""
         for gone in [r for r in self.waiting if r.stopped()]:
             self.waiting.remove(gone)
             self.metrics.add("queued", -1)
@@ -353,7 +358,8 @@ class Engine:
                     continue
                 if self.paged and len(other.ids) != len(batch[0].ids):  # padding would move its pages
                     continue
-                grown = self._plan([r.ids for r in [*batch, other]], max(r.new_tokens for r in [*batch, other]), False)
+                rows = [*batch, other]
+                grown = self._plan([r.ids for r in rows], max(r.new_tokens for r in rows), self.prompts is not None)
                 if grown.fits and memory.fits_host(grown):
                     batch, found = [*batch, other], grown
         for request in batch:
@@ -362,12 +368,11 @@ class Engine:
         return batch, found
 
     def _batches(self, request: Waiting) -> bool:
-        """Whether ``request`` may share a batch: not where prompts are kept and it is over one prefill chunk (alone,
-        a kept prompt serves it and it is kept for the next question; a batch's rows are neither). A shorter one
-        batches, though a kept prompt may share its start (a chat template's system prompt): little to save."""
+        """Whether ``request`` may share a batch: where prompts are kept, only where batches prefill a row at a time
+        (each row served and kept as alone) or it is within one prefill chunk (a kept prompt could serve little)."""
         if self.max_batch == 1 or request.alone or request.ask.sampling.seed is not None:
             return False
-        return self.prompts is None or len(request.ids) <= self.prefill_chunk
+        return self.prompts is None or self.rowwise or len(request.ids) <= self.prefill_chunk
 
     def _decode_batch(self, batch: list[Waiting], found: memory.MemoryPlan) -> None:
         """Decode ``batch`` under ``found``, each request answered (or its error set) and told it is done."""
@@ -388,7 +393,7 @@ class Engine:
         rows = Rows(tokens, [r.stopped for r in batch])
         alone = len(batch) == 1
         try:
-            cached, peak = self._generate(batch, found, rows, self.prompts if alone else None)
+            cached, peak = self._generate(batch, found, rows, self.prompts if alone or self.rowwise else None)
         except Exception as exc:  # the batch's failure: each row again alone where it had no text yet
             retry = [r for r in batch if not alone and not r.sent]
             for request in batch:
@@ -402,15 +407,17 @@ class Engine:
                 self.metrics.add("queued", len(retry))
             return
         rows.end()
-        for request, row, row_times in zip(batch, tokens, times, strict=True):
+        for request, row, row_times, served in zip(batch, tokens, times, cached, strict=True):
             arrived = request.arrived
-            self.metrics.finished(arrived, row_times, len(request.ids), len(row.ids), found, peak, cached, self.prompts)
-            request.answer = Answer(row.text, row.finish_reason or "length", len(request.ids), len(row.ids), cached)
+            self.metrics.finished(arrived, row_times, len(request.ids), len(row.ids), found, peak, served, self.prompts)
+            request.answer = Answer(row.text, row.finish_reason or "length", len(request.ids), len(row.ids), served)
             request.done.set()
 
-    def _generate(self, batch: list[Waiting], found, rows: Rows, prompts: PromptCache | None) -> tuple[int, int | None]:
-        """``model.generate`` over the batch's prompts, left-padded: the prompt tokens a kept prompt served and
-        the GPU's peak (None elsewhere)."""
+    def _generate(
+        self, batch: list[Waiting], found, rows: Rows, prompts: PromptCache | None
+    ) -> tuple[list[int], int | None]:
+        """``model.generate`` over the batch's prompts, left-padded: each row's prompt tokens a kept prompt served
+        and the GPU's peak (None elsewhere)."""
         inputs = left_padded([r.ids for r in batch], self.pad, self.device)
         chunk = found.workload.prefill_chunk
         kwargs = {"prefill_chunk_size": chunk} if chunk else {}
@@ -433,6 +440,6 @@ class Engine:
                 **kwargs,
                 **{cache_argument(self.model): cache},
             )
-            cached = cache.reused_tokens
+            cached = cache.reused_rows or [cache.reused_tokens] * len(batch)  # (a batch prefilled whole: none)
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         return cached, peak

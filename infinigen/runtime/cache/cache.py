@@ -67,7 +67,7 @@ class InfinigenCache(RowReuse, Croppable, Cache):
         self.prefill_chunks: tuple[int | None, int | None] | None = None  # infinigen.decode's: (asked, taken)
         # kept prompts this cache's run may start from and adds its own to (``infinigen.decode``: ``cache.prompts``)
         self.prompts = prompts
-        self.reused_tokens = 0  # the prompt tokens a kept prompt gave it (``kept.restore``)
+        self.reused_tokens, self.reused_rows = 0, None  # prompt tokens kept prompts gave it; each row's (rows_alone)
         self.verified = None  # exact decoding's counts (``exact.Verified``)
         # the heads this rank computes (all in one process); refuses KV heads the ranks do not divide
         self.shard = head_shard(decoder_layers(model)[0].self_attn, self.spec.head_dim)

@@ -188,6 +188,83 @@ def restore(cache, kept: KeptPrompt, length: int) -> None:
     cache.reused_tokens = length
 
 
+def restorable_rows(policy: str, windows) -> bool:
+    """Whether kept prompts can be placed as the rows of a batch (``restore_rows``) for ``policy`` over layers with
+    these sliding ``windows``: not where a slot's state depends on where the row starts (a paged policy's page
+    bounds, a sliding window's ring)."""
+    return not policy_class(policy).paged and all(window is None for window in windows)
+
+
+def restore_rows(cache, rows: list[KeptPrompt]) -> None:
+    """Give the empty ``cache`` (configured, with their key) ``rows`` whole as its batch rows, right-aligned at the
+    longest: row b's first ``length - rows[b].length`` slots padding, as a left-padded batch's prompt, each row's
+    slots its own kept state (so a batch of rows each prefilled alone decodes from their alone states)."""
+    if any(kept.key != cache.prompt_key for kept in rows):
+        raise InfinigenError("this kept prompt was made with other settings or another model")
+    if any(layer.is_initialized for layer in cache.layers):
+        raise InfinigenError("kept prompts go into an empty cache")
+    length = max(kept.length for kept in rows)
+    offsets = [length - kept.length for kept in rows]
+    for index, layer in enumerate(cache.layers):
+        states = [kept.layers[index] for kept in rows]
+        if isinstance(layer, SlidingLayer):
+            raise InfinigenError("a sliding window's ring cannot start where another row's does")
+        if isinstance(layer, OffloadedLayer):
+            _restore_offloaded_rows(cache, layer, states, offsets, length)
+        else:
+            _restore_dense_rows(layer, states, offsets, length)
+
+
+def _placed(tensors: list[torch.Tensor], offsets: list[int], length: int, slots: int, device) -> torch.Tensor:
+    """Per-slot state of each row (1, H, >= its length, *rest), as the rows of one (B, H, ``slots``, *rest) tensor on
+    ``device``: row b's at slots offsets[b] .. length - 1, zero before and after."""
+    first = tensors[0]
+    placed = torch.zeros(len(tensors), first.shape[1], slots, *first.shape[3:], dtype=first.dtype, device=device)
+    for row, (tensor, offset) in enumerate(zip(tensors, offsets, strict=True)):
+        placed[row, :, offset:length].copy_(tensor[0, :, : length - offset], non_blocking=True)
+    return placed
+
+
+def _restore_dense_rows(layer: DenseLayer, states: list[LayerState], offsets: list[int], length: int) -> None:
+    keys = states[0].tensors["keys"]
+    empty = torch.empty(len(states), keys.shape[1], 0, keys.shape[3], dtype=keys.dtype, device=layer.cache.device)
+    layer.lazy_initialization(empty, empty)
+    layer.reserve(length)
+    for name in ("keys", "values", "valid"):
+        tensors = [state.tensors[name] for state in states]
+        setattr(layer, name, _placed(tensors, offsets, length, layer.capacity, layer.cache.device))
+    layer.length = length
+
+
+def _restore_offloaded_rows(
+    cache, layer: OffloadedLayer, states: list[LayerState], offsets: list[int], length: int
+) -> None:
+    kv_heads, dtype = states[0].blocks[0].shape[1], cache.weights_dtype  # blocks (1, kv_heads, block, 2, w)
+    empty = torch.empty(len(states), kv_heads, 0, cache.spec.head_dim, dtype=dtype, device=cache.device)
+    layer.lazy_initialization(empty, empty)
+    if layer.max_tokens is not None:
+        raise InfinigenError("a kept prompt cannot serve a limited CPU pool (--cpu-pool-gb)")
+    pool = layer.pool
+    pool.reserve(length)
+    for row, (state, offset) in enumerate(zip(states, offsets, strict=True)):
+        pool.clear_row(row, offset)
+        for start, block in zip(range(0, length - offset, pool.block_tokens), state.blocks, strict=False):
+            pool.write_row(row, offset + start, block[0, :, : length - offset - start])
+    capacity, device = pool.capacity, layer.device
+    if pool.kv_bits == 8:
+        pool.scales = _placed([s.tensors["scales"] for s in states], offsets, length, capacity, device)
+        pool.factors.copy_(torch.cat([s.tensors["factors"] for s in states]))
+        pool.smoothed = True
+        pool.rows_smoothed.fill_(True)
+    layer.valid = _placed([s.tensors["valid"] for s in states], offsets, length, capacity, device)
+    for name in states[0].tensors:
+        if name.startswith("policy."):
+            value = _placed([s.tensors[name] for s in states], offsets, length, capacity, device)
+            setattr(layer.policy, name.removeprefix("policy."), value)
+    layer.length = layer.used = length
+    layer.padded = any(offsets)
+
+
 def _empty_keys(cache, state: LayerState, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
     """(B, kv_heads, 0, head_dim) on the cache's device: what a layer's ``lazy_initialization`` sizes itself from."""
     batch = (state.blocks or [state.tensors.get("keys")])[0].shape[0]

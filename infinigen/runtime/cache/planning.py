@@ -89,8 +89,8 @@ def _covers(planned: Workload, work: Workload, chunk_at_most: bool) -> bool:
         return False
     if (work.padded and not planned.padded) or (work.layer_graphs and not planned.layer_graphs):
         return False
-    if work.keeps and not planned.keeps:  # pool blocks of the asked size
-        return False
+    if (work.keeps and not planned.keeps) or (work.rowwise and not planned.rowwise):  # pool blocks of the asked size;
+        return False  # the rows' kept copies on the host
     if chunk_at_most:
         return work.prefill_chunk is None or planned.chunk <= work.prefill_chunk
     return work.prefill_chunk is None or work.prefill_chunk <= planned.chunk
@@ -107,7 +107,8 @@ def _grown(cache, seen: Workload) -> MemoryPlan:
         tokens += max(64, tokens // 8)  # planned again once per eighth, not at every step
     chunk = max(was.chunk, seen.chunk) if context > max(was.chunk, seen.chunk) else None
     padded, layer_graphs = was.padded or seen.padded, was.layer_graphs or seen.layer_graphs
-    work = Workload(max(was.batch, seen.batch), context, tokens - context, chunk, padded, layer_graphs, was.keeps)
+    batch, rowwise = max(was.batch, seen.batch), was.rowwise or seen.rowwise
+    work = Workload(batch, context, tokens - context, chunk, padded, layer_graphs, was.keeps, rowwise)
     found = _planned(cache, work, cache.config, cache.memory_plan.budget)
     settings = RuntimeConfig(**plan.cache_settings(found))  # as a cache runs them
     kept = _layer_settings(settings) == _layer_settings(cache.config) and found.workload.prefill_chunk == chunk

@@ -68,6 +68,9 @@ class Workload:
     # its prompt may be kept (``cache.prompts``): pool blocks of the asked size, whatever the run's length, so
     # that prompts of any length share one row layout
     keeps: bool = False
+    # each row's prompt prefilled alone in a cache of its own, then restored into the batch (kept prompts: each
+    # row served and kept): the prefill's workspace is one row's, and each row's kept copy sits beside the pool
+    rowwise: bool = False
 
     @property
     def tokens(self) -> int:
@@ -160,7 +163,10 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
         parts.append(Part("offloaded layers' slot state", "gpu", state))
         if policy.speculates:  # partial key columns; the query's per head (OPT: folded rows over the hidden size)
             query = heads * channels * (d if spec.rope else model.hidden + 1)
-            parts.append(Part("speculators' projections", "gpu", len(offloaded) * (query + kv * d * channels) * e))
+            projections = len(offloaded) * (query + kv * d * channels) * e
+            parts.append(Part("speculators' projections", "gpu", projections))
+            if work.rowwise:
+                parts.append(Part("prefill: a row's own cache's projections", "gpu", projections, "prefill"))
         budgets = opts.get("layer_budgets") or [config.budget] * len(offloaded)
         if reuse_on:
             extra, bits = config.resident_extra_or_default, config.resident_bits or 16
@@ -171,14 +177,18 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
             parts.append(Part("decode: fetch staging", "gpu", 2 * batch * kv_row * (k + 1), "decode"))
         pool = pool_size(spec, len(offloaded), batch, work.tokens, dtype, ranks, config)
         parts.append(Part("CPU KV pool", "host", pool.nbytes))
+        if work.rowwise:  # each row's prompt as kept, its rows and its dense layers' KV, until it is restored
+            kept = pool_size(spec, len(offloaded), batch, work.context, dtype, ranks, config).nbytes
+            parts.append(Part("the rows' kept prompts", "host", kept + len(dense) * batch * kv_row * work.context))
+        alone = 1 if work.rowwise else batch  # the rows a prefill forward takes
         stored = row_bytes(d, dtype, policy.codec, kv_bits) // 2  # one K or V, as the pool keeps it
         decoded = kv_bits == 8 and policy.codec is None  # 8-bit rows: dequantised beside their codes
         read = d * e if decoded else stored  # as a read leaves it
-        staging = 2 * batch * kv * min(config.prefill_block_tokens, work.context) * 2 * (stored + decoded * read)
+        staging = 2 * alone * kv * min(config.prefill_block_tokens, work.context) * 2 * (stored + decoded * read)
         parts.append(Part("prefill: earlier chunks' blocks", "gpu", staging, "prefill"))
         if config.prefill_fetch_ahead and not policy.observes_attention and work.chunk < work.context:
             past = work.chunk * ((work.context - 1) // work.chunk)  # at the last chunk
-            parts.append(Part(FETCHED_AHEAD, "gpu", batch * kv * past * 2 * read, "prefill"))
+            parts.append(Part(FETCHED_AHEAD, "gpu", alone * kv * past * 2 * read, "prefill"))
         if config.exact:  # a verification reads every row as a chunk does, the decode's parts held meanwhile
             ahead = work.tokens * read if config.prefill_fetch_ahead and not policy.observes_attention else 0
             rows = batch * kv * 2 * (2 * config.prefill_block_tokens * (stored + decoded * read) + ahead)
@@ -188,7 +198,8 @@ def plan_parts(model: Model, dtype: torch.dtype, work: Workload, config: Runtime
         if work.layer_graphs and config.cuda_graphs:
             graphs = (len(offloaded) - 1) * selection
             parts.append(Part("decode: the other layers' selection graphs", "gpu", graphs, "decode"))
-    parts += _prefill_parts(model, work, config, kv, heads, d, e)
+    prefilled = replace(work, batch=1, padded=False) if work.rowwise else work  # a forward's rows
+    parts += _prefill_parts(model, prefilled, config, kv, heads, d, e)
     step = batch * (4 * model.hidden + 3 * model.intermediate + model.vocab) * e * 2
     parts.append(Part("decode: a step's activations", "gpu", step, "decode"))
     return parts

@@ -190,6 +190,20 @@ class KVPool:
             slots = self.blocks[index][:, :, lo - block_start : hi - block_start]
             _copy_runs(slots, rows[:, :, lo - start : hi - start])
 
+    def write_row(self, row: int, start: int, rows: torch.Tensor) -> None:
+        """Store rows (kv_heads, T, 2, w) as stored (a kept prompt's) at slots start .. start+T-1 of batch row
+        ``row`` (the slots exist): a host copy."""
+        end = start + rows.shape[1]
+        for index in range(start // self.block_tokens, (end - 1) // self.block_tokens + 1):
+            block_start = index * self.block_tokens
+            lo, hi = max(start, block_start), min(end, block_start + self.block_tokens)
+            self.blocks[index][row, :, lo - block_start : hi - block_start].copy_(rows[:, lo - start : hi - start])
+
+    def clear_row(self, row: int, end: int) -> None:
+        """Zero slots 0 .. end-1 of batch row ``row`` (padding: masked, but no NaN may be read there)."""
+        for index in range(-(-end // self.block_tokens)):
+            self.blocks[index][row, :, : end - index * self.block_tokens].zero_()
+
     def read_range(self, end: int, out: torch.Tensor) -> None:
         """out (B, H, 2, end, d) <- slots 0 .. end-1 of every (batch, head), K and V split into planes
         and 8-bit rows dequantised as ``gather`` leaves them: a multi-token step's read of everything
