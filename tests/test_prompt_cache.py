@@ -54,7 +54,7 @@ def state(kept) -> dict[str, torch.Tensor]:
 def assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        bits = (t.contiguous().view(-1).view(torch.uint8) for t in (a[name], b[name]))  # codes: NaN patterns too
+        bits = (t.cpu().contiguous().view(-1).view(torch.uint8) for t in (a[name], b[name]))  # codes: NaN patterns
         assert torch.equal(*bits), name
 
 
@@ -313,10 +313,22 @@ def test_generate_prompt_cache_across_runs(prepared, tokenizer, tmp_path):
         assert cut.exit_code == 2 and "cut" in cut.output and "Traceback" not in cut.output
 
 
+_SETUPS: dict[str, tuple] = {}
+
+
+@pytest.fixture
+def setup_on(tokenizer, device):
+    """``setup`` on each device (made once per device)."""
+    if device not in _SETUPS:
+        _SETUPS[device] = tiny_setup(tokenizer, "llama", device)
+    return _SETUPS[device]
+
+
 def batch_of(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows (1, n) left-padded into ids and a mask (B, T)."""
-    n = max(row.shape[1] for row in rows)
-    padded, mask = torch.ones(len(rows), n, dtype=torch.long), torch.zeros(len(rows), n, dtype=torch.long)
+    """Rows (1, n) left-padded into ids and a mask (B, T), on the rows' device."""
+    n, device = max(row.shape[1] for row in rows), rows[0].device
+    padded = torch.ones(len(rows), n, dtype=torch.long, device=device)
+    mask = torch.zeros(len(rows), n, dtype=torch.long, device=device)
     for i, row in enumerate(rows):
         padded[i, n - row.shape[1] :], mask[i, n - row.shape[1] :] = row[0], 1
     return padded, mask
@@ -348,15 +360,15 @@ def row_state(cache, row: int, offset: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("policy", ["dense", "full", "infinigen", "oracle", "int4", "h2o"])
-def test_a_batch_prefills_a_row_at_a_time_each_row_as_alone(setup, policy):
+def test_a_batch_prefills_a_row_at_a_time_each_row_as_alone(setup_on, policy):
     """Where prompts are kept, each row of a batch is prefilled in a cache of its own and restored right-aligned:
     its logits, its slots and the prompt it keeps are those it has alone, bit for bit, padding in front."""
     from infinigen.runtime.cache.planning import plan_run
     from infinigen.runtime.generation import served_prefill
     from infinigen.runtime.memory.plan import Workload
 
-    model, artifact = setup
-    rows = [ids(1, 2 * CHUNK + 6), ids(2, CHUNK + 13), ids(3, 3 * CHUNK - 4)]
+    model, artifact = setup_on
+    rows = [ids(i, n).to(model.device) for i, n in ((1, 2 * CHUNK + 6), (2, CHUNK + 13), (3, 3 * CHUNK - 4))]
     alone = []
     for row in rows:
         prompts = PromptCache()
@@ -382,21 +394,21 @@ def test_a_batch_prefills_a_row_at_a_time_each_row_as_alone(setup, policy):
         assert_same(state(kept), row_kept)
 
 
-def test_a_batch_of_kept_rows_gives_each_row_its_alone_tokens_and_serves_the_next_questions(setup):
-    model, artifact = setup
-    rows = [ids(1, 2 * CHUNK + 6), ids(2, CHUNK + 13), ids(3, 3 * CHUNK - 4)]
+def test_a_batch_of_kept_rows_gives_each_row_its_alone_tokens_and_serves_the_next_questions(setup_on):
+    model, artifact = setup_on
+    rows = [ids(i, n).to(model.device) for i, n in ((1, 2 * CHUNK + 6), (2, CHUNK + 13), (3, 3 * CHUNK - 4))]
     prompts = PromptCache()
     tokens, served = batch_answer(model, artifact, rows, prompts, policy="full")
     assert served == [0, 0, 0] and tokens == [
         answer(model, artifact, row, PromptCache(), policy="full")[0] for row in rows
     ]
-    questions = [torch.cat([row, ids(9 + i, 7)], dim=1) for i, row in enumerate(rows)]
+    questions = [torch.cat([row, ids(9 + i, 7).to(row.device)], dim=1) for i, row in enumerate(rows)]
     tokens, served = batch_answer(model, artifact, questions, prompts, policy="full")
     assert served == [row.shape[1] for row in rows]  # each row's document, kept by the batch before
     assert len(prompts) == 6
     for question, row_tokens in zip(questions, tokens, strict=True):
         warm = PromptCache()
-        warm.add(next(k for k in prompts.entries.values() if torch.equal(k.tokens, question[0, : k.length])))
+        warm.add(next(k for k in prompts.entries.values() if torch.equal(k.tokens, question[0, : k.length].cpu())))
         assert row_tokens == answer(model, artifact, question, warm, policy="full")[0]
 
 

@@ -87,8 +87,8 @@ def cache_for(
     The cache runs under a memory plan: ``plan`` (``memory.plan``'s, for the run it was made for; then no
     ``settings``), else its own, made at its first prefill within ``gpu_memory_gb`` or the device's free
     memory (``runtime.cache.planning``). ``prompts``: kept prompts (``PromptCache``) that ``infinigen.decode``
-    starts each row's prompt from (computing only the rest; a batch's a row at a time) and adds it to; with a ``plan``, the least
-    recently used are evicted first where the host cannot hold its run beside them."""
+    starts each row's prompt from (computing only the rest; a batch's a row at a time) and adds it to; with a
+    ``plan``, the least recently used are evicted first where the host cannot hold its run beside them."""
     from infinigen.artifacts import open_artifact
     from infinigen.runtime.cache import InfinigenCache
     from infinigen.runtime.memory.plan import cache_settings
