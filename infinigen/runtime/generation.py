@@ -20,7 +20,6 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
-from infinigen.architectures import sliding_windows
 from infinigen.errors import InfinigenError
 from infinigen.runtime import exact
 from infinigen.runtime.cache import InfinigenCache
@@ -128,7 +127,7 @@ def served_prefill(
     not where the prompts are read-only). A batch there is prefilled a row at a time (``rows_alone``), each row
     served and kept alone."""
     prompts = getattr(cache, "prompts", None)  # None: another cache (transformers' own, a baseline's)
-    if prompts is not None and rows_alone(model, cache, ids.shape[0]) and not cache.get_seq_length():
+    if rows_alone(model, cache, ids.shape[0]) and not cache.get_seq_length():
         return _rows_prefilled_alone(model, cache, ids, mask, chunk), False
     kept_here = prompts is not None and ids.shape[0] == 1 and bool(mask.all()) and not cache.get_seq_length()
     if kept_here:
@@ -142,8 +141,8 @@ def served_prefill(
 def rows_alone(model: PreTrainedModel, cache, batch: int) -> bool:
     """Whether a batch's prompts are prefilled one row at a time (``_rows_prefilled_alone``): where ``cache`` keeps
     prompts and its policy and layers let kept rows start where a left-padded batch's do."""
-    restorable = restorable_rows(cache.config.policy, sliding_windows(model.config))
-    return batch > 1 and cache.prompts is not None and restorable
+    prompts = getattr(cache, "prompts", None)  # None: another cache (transformers' own, a baseline's)
+    return batch > 1 and prompts is not None and restorable_rows(cache.config.policy, model.config)
 
 
 def _rows_prefilled_alone(model: PreTrainedModel, cache, ids: torch.Tensor, mask: torch.Tensor, chunk) -> torch.Tensor:

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
-from infinigen.architectures import sliding_windows
 from infinigen.artifacts import Artifact
 from infinigen.errors import InfinigenError
 from infinigen.runtime import cache_argument, cache_for, decode
@@ -192,7 +191,7 @@ class Engine:
         # a request's pool comes first: kept prompts are evicted for it where the host cannot hold both (``admit``)
         self.prompts = PromptCache.of(self.config)
         # batches prefill a row at a time, each served from and kept in the prompt cache (``generation.rows_alone``)
-        self.rowwise = self.prompts is not None and restorable_rows(self.config.policy, sliding_windows(model.config))
+        self.rowwise = self.prompts is not None and restorable_rows(self.config.policy, model.config)
         self.context = model.config.max_position_embeddings
         self.pad = pad_token_id(tokenizer)
         configured = getattr(model.generation_config, "eos_token_id", None)
@@ -361,7 +360,7 @@ class Engine:
                 rows = [*batch, other]
                 grown = self._plan([r.ids for r in rows], max(r.new_tokens for r in rows), self.prompts is not None)
                 if grown.fits and memory.fits_host(grown):
-                    batch, found = [*batch, other], grown
+                    batch, found = rows, grown
         for request in batch:
             self.waiting.remove(request)
         self.metrics.add("queued", -len(batch))

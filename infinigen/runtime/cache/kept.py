@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinigen.architectures import sliding_windows
 from infinigen.errors import InfinigenError
 from infinigen.runtime.cache.layers import DenseLayer, OffloadedLayer
 from infinigen.runtime.cache.sliding import SlidingLayer
@@ -188,11 +189,11 @@ def restore(cache, kept: KeptPrompt, length: int) -> None:
     cache.reused_tokens = length
 
 
-def restorable_rows(policy: str, windows) -> bool:
-    """Whether kept prompts can be placed as the rows of a batch (``restore_rows``) for ``policy`` over layers with
-    these sliding ``windows``: not where a slot's state depends on where the row starts (a paged policy's page
-    bounds, a sliding window's ring)."""
-    return not policy_class(policy).paged and all(window is None for window in windows)
+def restorable_rows(policy: str, model_config) -> bool:
+    """Whether kept prompts can be placed as the rows of a batch (``restore_rows``) for ``policy`` and a model of
+    ``model_config``: not where a slot's state depends on where the row starts (a paged policy's page bounds, a
+    sliding window's ring)."""
+    return not policy_class(policy).paged and all(window is None for window in sliding_windows(model_config))
 
 
 def restore_rows(cache, rows: list[KeptPrompt]) -> None:
@@ -215,24 +216,27 @@ def restore_rows(cache, rows: list[KeptPrompt]) -> None:
             _restore_dense_rows(layer, states, offsets, length)
 
 
-def _placed(tensors: list[torch.Tensor], offsets: list[int], length: int, slots: int, device) -> torch.Tensor:
-    """Per-slot state of each row (1, H, >= its length, *rest), as the rows of one (B, H, ``slots``, *rest) tensor on
-    ``device``: row b's at slots offsets[b] .. length - 1, zero before and after."""
-    first = tensors[0]
-    placed = torch.zeros(len(tensors), first.shape[1], slots, *first.shape[3:], dtype=first.dtype, device=device)
+def _placed(into: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int], length: int) -> torch.Tensor:
+    """``into`` (B, H, slots, *rest), zero (or False), with each row's per-slot state (1, H, >= its length, *rest)
+    at slots offsets[b] .. length - 1 of row b."""
     for row, (tensor, offset) in enumerate(zip(tensors, offsets, strict=True)):
-        placed[row, :, offset:length].copy_(tensor[0, :, : length - offset], non_blocking=True)
-    return placed
+        into[row, :, offset:length].copy_(tensor[0, :, : length - offset], non_blocking=True)
+    return into
+
+
+def _zeros(tensors: list[torch.Tensor], slots: int, device) -> torch.Tensor:
+    """(B, H, ``slots``, *rest) zeros for the rows' state ``tensors`` (1, H, n, *rest)."""
+    first = tensors[0]
+    return torch.zeros(len(tensors), first.shape[1], slots, *first.shape[3:], dtype=first.dtype, device=device)
 
 
 def _restore_dense_rows(layer: DenseLayer, states: list[LayerState], offsets: list[int], length: int) -> None:
     keys = states[0].tensors["keys"]
     empty = torch.empty(len(states), keys.shape[1], 0, keys.shape[3], dtype=keys.dtype, device=layer.cache.device)
     layer.lazy_initialization(empty, empty)
-    layer.reserve(length)
+    layer.reserve(length)  # zeroed buffers (no token yet), filled in place
     for name in ("keys", "values", "valid"):
-        tensors = [state.tensors[name] for state in states]
-        setattr(layer, name, _placed(tensors, offsets, length, layer.capacity, layer.cache.device))
+        _placed(getattr(layer, name), [state.tensors[name] for state in states], offsets, length)
     layer.length = length
 
 
@@ -241,9 +245,7 @@ def _restore_offloaded_rows(
 ) -> None:
     kv_heads, dtype = states[0].blocks[0].shape[1], cache.weights_dtype  # blocks (1, kv_heads, block, 2, w)
     empty = torch.empty(len(states), kv_heads, 0, cache.spec.head_dim, dtype=dtype, device=cache.device)
-    layer.lazy_initialization(empty, empty)
-    if layer.max_tokens is not None:
-        raise InfinigenError("a kept prompt cannot serve a limited CPU pool (--cpu-pool-gb)")
+    layer.lazy_initialization(empty, empty)  # (a limited pool keeps no prompt: ``keep`` refused it)
     pool = layer.pool
     pool.reserve(length)
     for row, (state, offset) in enumerate(zip(states, offsets, strict=True)):
@@ -251,16 +253,15 @@ def _restore_offloaded_rows(
         for start, block in zip(range(0, length - offset, pool.block_tokens), state.blocks, strict=False):
             pool.write_row(row, offset + start, block[0, :, : length - offset - start])
     capacity, device = pool.capacity, layer.device
-    if pool.kv_bits == 8:
-        pool.scales = _placed([s.tensors["scales"] for s in states], offsets, length, capacity, device)
+    if pool.kv_bits == 8:  # the pool's scales, grown with its blocks (zero), filled in place
+        _placed(pool.scales, [s.tensors["scales"] for s in states], offsets, length)
         pool.factors.copy_(torch.cat([s.tensors["factors"] for s in states]))
         pool.smoothed = True
         pool.rows_smoothed.fill_(True)
-    layer.valid = _placed([s.tensors["valid"] for s in states], offsets, length, capacity, device)
-    for name in states[0].tensors:
-        if name.startswith("policy."):
-            value = _placed([s.tensors[name] for s in states], offsets, length, capacity, device)
-            setattr(layer.policy, name.removeprefix("policy."), value)
+    for name in (n for n in states[0].tensors if n == "valid" or n.startswith("policy.")):
+        tensors = [s.tensors[name] for s in states]
+        value = _placed(_zeros(tensors, capacity, device), tensors, offsets, length)
+        setattr(layer if name == "valid" else layer.policy, name.removeprefix("policy."), value)
     layer.length = layer.used = length
     layer.padded = any(offsets)
 
